@@ -1,0 +1,42 @@
+"""Suite-wide options: the backend under test and the hypothesis profiles."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from kvspec.conformance.backend import Backend, load_backend
+
+# ci: the default; at least 200 examples per property, whole run under 15 minutes
+# on 2 cores. fuzz: a long local run (HYPOTHESIS_PROFILE=fuzz).
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "fuzz",
+    max_examples=5000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("quick", parent=settings.get_profile("ci"), max_examples=25)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backend",
+        default="accelerated",
+        help="backend under test: accelerated, reference, or package.module:factory",
+    )
+
+
+@pytest.fixture(scope="session")
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return load_backend(request.config.getoption("--backend"))
