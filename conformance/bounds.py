@@ -11,9 +11,7 @@ from kvspec.reference.dtypes import smallest_subnormal, unit_roundoff
 ENCODE_SLACK = 2.0**-13
 
 
-def affine_read_bound(
-    w: np.ndarray, scales: np.ndarray, bits: int, group_size: int
-) -> np.ndarray:
+def affine_read_bound(w: np.ndarray, scales: np.ndarray, bits: int, group_size: int) -> np.ndarray:
     """Per-element bound on |w - dequantize(quantize(w))| (AFF-8), float64.
 
     S = (|s_d| + tau) / (1 - u) bounds the float32 scale from the stored one;

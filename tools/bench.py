@@ -1,0 +1,62 @@
+"""Side-by-side timings on MLX's default device, printed as ratios measured in one run.
+
+Each row times kvspec's accelerated path against the MLX path it stands beside
+(for the affine encoder, `mx.quantize`, which is fast but not bit-portable: spec
+AFF-9). Absolute times mean something only on the GPU machine.
+
+    python tools/bench.py --positions 4096 --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from kvspec.accelerated import affine
+
+
+def seconds_per_call(run: Callable[[], object], repeats: int) -> float:
+    """Median wall time of one evaluated call, after one warm-up."""
+    mx.eval(run())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(run())
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def affine_rows(positions: int, repeats: int) -> list[tuple[str, float, float]]:
+    """(what, kvspec seconds, MLX seconds) for encoding and reading KV-shaped arrays."""
+    rows = []
+    kv = mx.random.normal((1, 8, positions, 128)).astype(mx.bfloat16)
+    mx.eval(kv)
+    for bits in (4, 8):
+        stored = affine.quantize(kv, 64, bits)
+        mx.eval(stored)
+        ours = seconds_per_call(lambda b=bits: affine.quantize(kv, 64, b), repeats)
+        theirs = seconds_per_call(lambda b=bits: mx.quantize(kv, group_size=64, bits=b), repeats)
+        rows.append((f"affine encode {bits}-bit g64 vs mx.quantize", ours, theirs))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--positions", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    print(f"device: {mx.default_device()}  mlx {mx.__version__}  positions {args.positions}")
+    rows = affine_rows(args.positions, args.repeats)
+    width = max(len(name) for name, _, _ in rows)
+    print(f"{'':{width}}  {'kvspec us':>10}  {'mlx us':>10}  {'ratio':>6}")
+    for name, ours, theirs in rows:
+        print(f"{name:{width}}  {ours * 1e6:10.1f}  {theirs * 1e6:10.1f}  {ours / theirs:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Diff the reference and accelerated backends on a workload.
+
+Runs every codec configuration on both backends and prints one table per codec:
+per configuration, how many stored elements differ (zero is the only passing
+answer), the largest read error, and the bits stored per value. Exits 1 when any
+stored field differs.
+
+    python tools/compare.py                       # the default random workload
+    python tools/compare.py --input kv.safetensors --bits 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kvspec.accelerated import affine as accelerated_affine
+from kvspec.accelerated.dtypes import from_numpy, to_numpy
+from kvspec.conformance.bounds import affine_read_bound
+from kvspec.conformance.compare import mismatches
+from kvspec.reference import affine as reference_affine
+from kvspec.reference.dtypes import FLOAT_DTYPES
+
+
+@dataclass
+class Table:
+    """Rows of one codec's comparison; `differs` is set when any stored field differs."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    differs: bool = False
+
+    def render(self) -> str:
+        widths = [
+            max(len(column), *(len(row[i]) for row in self.rows))
+            for i, column in enumerate(self.columns)
+        ]
+        lines = [
+            self.title,
+            "  ".join(c.rjust(w) for c, w in zip(self.columns, widths, strict=True)),
+        ]
+        lines += [
+            "  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in self.rows
+        ]
+        return "\n".join(lines)
+
+
+def default_workload(seed: int) -> dict[str, np.ndarray]:
+    """KV-like arrays [B, H, L, D]: Gaussian with outlier channels, plus rows of the
+    edge groups the spec names (constant, zero, no positive value, tiny)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((1, 8, 256, 128)).astype(np.float32)
+    keys[..., rng.choice(128, 4, replace=False)] *= 20.0
+    edges = np.zeros((1, 1, 4, 128), np.float32)
+    edges[0, 0, 1] = 0.75
+    edges[0, 0, 2] = -np.abs(rng.standard_normal(128))
+    edges[0, 0, 3] = rng.standard_normal(128) * 1e-9
+    values = np.concatenate([rng.standard_normal((1, 1, 252, 128)).astype(np.float32), edges], 2)
+    return {"keys": keys, "values": values}
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Arrays from a .npy or .safetensors file, as NumPy arrays holding the same bits."""
+    if path.suffix == ".npy":
+        return {path.stem: np.load(path)}
+    if path.suffix == ".safetensors":
+        return {name: to_numpy(array) for name, array in mx.load(str(path)).items()}
+    raise ValueError(f"{path}: expected a .npy or .safetensors file")
+
+
+def affine_table(
+    arrays: dict[str, np.ndarray],
+    bits_list: Sequence[int],
+    group_sizes: Sequence[int],
+    dtype_names: Sequence[str],
+) -> Table:
+    """Stored-field mismatches and read error of the affine codec (AFF-5, AFF-6)."""
+    table = Table(
+        "affine (AFF): reference vs accelerated",
+        [
+            "array",
+            "bits",
+            "group",
+            "dtype",
+            "words",
+            "scales",
+            "biases",
+            "max read err",
+            "err/bound",
+            "bits/value",
+        ],
+    )
+    for name, array in arrays.items():
+        rows = array.reshape(-1, array.shape[-1]) if array.ndim < 2 else array
+        for dtype_name in dtype_names:
+            w = rows.astype(np.float32).astype(FLOAT_DTYPES[dtype_name])
+            for bits in bits_list:
+                for group_size in group_sizes:
+                    if w.shape[-1] % group_size:
+                        continue
+                    expected = reference_affine.quantize(w, group_size, bits)
+                    stored = accelerated_affine.quantize(from_numpy(w), group_size, bits)
+                    actual = [to_numpy(a) for a in stored]
+                    counts = [mismatches(a, e) for a, e in zip(actual, expected, strict=True)]
+                    read = to_numpy(accelerated_affine.dequantize(*stored, group_size, bits))
+                    error = np.abs(read.astype(np.float64) - w.astype(np.float64))
+                    bound = affine_read_bound(w, expected[1], bits, group_size)
+                    stored_bits = 8 * sum(e.nbytes for e in expected) / w.size
+                    table.differs |= any(counts)
+                    table.rows.append(
+                        [name, str(bits), str(group_size), dtype_name]
+                        + [str(c) for c in counts]
+                        + [f"{error.max():.3g}", f"{np.max(error / bound):.3f}"]
+                        + [f"{stored_bits:.3f}"]
+                    )
+    return table
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", type=Path, help=".npy or .safetensors file of arrays to encode")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the default workload")
+    parser.add_argument(
+        "--bits", type=int, nargs="+", default=list(reference_affine.SUPPORTED_BITS)
+    )
+    parser.add_argument(
+        "--group-sizes", type=int, nargs="+", default=list(reference_affine.SUPPORTED_GROUP_SIZES)
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=sorted(FLOAT_DTYPES),
+        default=["float32", "float16", "bfloat16"],
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    arrays = load_arrays(args.input) if args.input else default_workload(args.seed)
+    print(f"device: {mx.default_device()}  mlx {mx.__version__}")
+    tables = [affine_table(arrays, args.bits, args.group_sizes, args.dtypes)]
+    for table in tables:
+        print()
+        print(table.render())
+    differs = [table.title for table in tables if table.differs]
+    print()
+    print(
+        "stored fields differ in: " + ", ".join(differs) if differs else "no stored field differs"
+    )
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""tools/compare.py: zero mismatches on its default workload, exit 1 on a difference."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import compare
+
+
+def test_default_workload_has_no_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert compare.main(["--bits", "3", "4", "--dtypes", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "no stored field differs" in out
+    assert "affine (AFF)" in out
+
+
+def test_a_differing_word_fails(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    real = compare.accelerated_affine.quantize
+
+    def flipped(w, group_size, bits):
+        wq, scales, biases = real(w, group_size, bits)
+        return wq ^ 1, scales, biases
+
+    monkeypatch.setattr(compare.accelerated_affine, "quantize", flipped)
+    assert compare.main(["--bits", "4", "--group-sizes", "64", "--dtypes", "float32"]) == 1
+    assert "stored fields differ in: affine" in capsys.readouterr().out
+
+
+def test_input_file(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "kv.npy"
+    np.save(path, np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32))
+    assert compare.main(["--input", str(path), "--bits", "8", "--group-sizes", "64"]) == 0
+    assert "kv" in capsys.readouterr().out
