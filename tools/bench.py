@@ -36,11 +36,18 @@ def affine_rows(positions: int, repeats: int) -> list[tuple[str, float, float]]:
     kv = mx.random.normal((1, 8, positions, 128)).astype(mx.bfloat16)
     mx.eval(kv)
     for bits in (4, 8):
-        stored = affine.quantize(kv, 64, bits)
-        mx.eval(stored)
-        ours = seconds_per_call(lambda b=bits: affine.quantize(kv, 64, b), repeats)
         theirs = seconds_per_call(lambda b=bits: mx.quantize(kv, group_size=64, bits=b), repeats)
-        rows.append((f"affine encode {bits}-bit g64 vs mx.quantize", ours, theirs))
+        for encoder in affine.available_encoders():
+            ours = seconds_per_call(
+                lambda b=bits, e=encoder: affine.quantize(kv, 64, b, encoder=e), repeats
+            )
+            rows.append((f"affine encode {bits}-bit g64 [{encoder}] vs mx.quantize", ours, theirs))
+        stored = affine.quantize(kv, 64, bits)
+        ours = seconds_per_call(lambda s=stored, b=bits: affine.dequantize(*s, 64, b), repeats)
+        theirs = seconds_per_call(
+            lambda s=stored, b=bits: mx.dequantize(*s, group_size=64, bits=b), repeats
+        )
+        rows.append((f"affine read {bits}-bit g64 vs mx.dequantize", ours, theirs))
     return rows
 
 
