@@ -30,7 +30,7 @@ GROUP_KINDS = (
 )
 
 
-def _group(kind: str, size: int, dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+def edge_group(kind: str, size: int, dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
     """One group of `size` float32 values of the given kind, finite in `dtype`."""
     top = largest_finite(dtype)
     if kind == "normal":
@@ -85,7 +85,7 @@ def grouped_arrays(
     else:
         edges = [k for k in kinds if k not in ("normal", "wide")] or list(kinds)
         chosen = list(rng.choice(edges, n_groups))
-    flat = np.concatenate([_group(str(k), group_size, dtype, rng) for k in chosen])
+    flat = np.concatenate([edge_group(str(k), group_size, dtype, rng) for k in chosen])
     return flat.reshape(*lead_shape, last).astype(dtype)
 
 

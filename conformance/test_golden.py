@@ -1,0 +1,61 @@
+"""Golden vectors (docs/vectors): valid against the schema, equal to a fresh generation
+from the reference, and reproduced bit for bit by the backend under test."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.vectors import BUILDERS, VECTORS_DIR, from_hex, render, vector_path
+from kvspec.reference.dtypes import FLOAT_DTYPES
+
+if not VECTORS_DIR.exists():
+    pytest.skip("docs/vectors is not beside this checkout", allow_module_level=True)
+
+
+def _load(name: str) -> dict:
+    return json.loads(vector_path(name).read_text())
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_file_follows_the_schema(name: str) -> None:
+    schema = json.loads((VECTORS_DIR / "schema.json").read_text())
+    vectors = _load(name)
+    jsonschema.validate(vectors, schema)
+    flags = {flag for group in vectors["testGroups"] for t in group["tests"] for flag in t["flags"]}
+    assert flags <= set(vectors["notes"]), "every flag is defined in notes"
+    ids = [t["tcId"] for group in vectors["testGroups"] for t in group["tests"]]
+    assert len(ids) == len(set(ids)) == vectors["numberOfTests"]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_file_equals_a_fresh_generation(name: str) -> None:
+    """The vectors cannot drift from the reference: run tools/golden.py after a change."""
+    assert vector_path(name).read_text() == render(BUILDERS[name]())
+
+
+def test_backend_reproduces_affine_vectors(backend) -> None:
+    affine = backend.module("affine")
+    for group in _load("affine")["testGroups"]:
+        dtype = FLOAT_DTYPES[group["dtype"]]
+        bits, group_size = group["bits"], group["groupSize"]
+        for test in group["tests"]:
+            w = from_hex(test["w"], dtype, test["shape"])
+            where = f"tcId {test['tcId']} ({', '.join(test['flags'])})"
+            if test["result"] == "invalid":
+                with pytest.raises(ValueError):
+                    affine.quantize(backend.from_numpy(w), group_size, bits)
+                continue
+            stored = affine.quantize(backend.from_numpy(w), group_size, bits)
+            rows, D = test["shape"]
+            expected = [
+                from_hex(test["wq"], np.uint32, [rows, D * bits // 32]),
+                from_hex(test["scales"], dtype, [rows, D // group_size]),
+                from_hex(test["biases"], dtype, [rows, D // group_size]),
+            ]
+            for field, a, e in zip(("wq", "scales", "biases"), stored, expected, strict=True):
+                assert_same_bits(backend.to_numpy(a), e, f"{where} {field}")
