@@ -1,9 +1,10 @@
 """The affine encoder as one CUDA kernel (spec AFF-2 .. AFF-5), for MLX's CUDA backend.
 
-One thread per group: min and max, then scale and bias, then the codes, packed into
-the group's own words (a group of 32, 64 or 128 codes fills whole words at every
-width). Every float step is an explicitly rounded IEEE intrinsic (`__fsub_rn`,
-`__fdiv_rn`, `rintf`), so neither compiler flags nor contraction can change a bit.
+One warp per group: min and max by warp shuffles, then scale and bias, then the codes,
+packed into the group's own words (a group of 32, 64 or 128 codes fills whole words
+at every width), one word per lane. Every float step is an explicitly rounded IEEE
+intrinsic (`__fsub_rn`, `__fdiv_rn`, `rintf`), so neither compiler flags nor
+contraction can change a bit.
 The kernel also reports, per group, input the format cannot hold (AFF-1, AFF-7):
 2 for NaN or inf, 1 for a range or edge / scale that overflows float32.
 """
@@ -16,20 +17,34 @@ import mlx.core as mx
 
 NONFINITE = 2
 OVERFLOW = 1
+_WARPS_PER_BLOCK = 8  # as in the kernel source
 
 _SOURCE = r"""
-    const unsigned int group = blockIdx.x * blockDim.x + threadIdx.x;
+    // One warp per group; lane l holds elements l, l + 32, ... (reads coalesce).
+    constexpr int PER_LANE = GROUP / 32;
+    constexpr int WORDS = GROUP * BITS / 32;
+    constexpr int WARPS_PER_BLOCK = 8;
+    __shared__ unsigned char codes[WARPS_PER_BLOCK * GROUP];
+    const unsigned int lane = threadIdx.x & 31;
+    const unsigned int warp = threadIdx.x >> 5;
+    const unsigned long long group = (unsigned long long)blockIdx.x * WARPS_PER_BLOCK + warp;
     if (group >= n_groups[0]) return;
-    const T* src = w + (unsigned long long)group * GROUP;
+    const T* src = w + group * GROUP;
+    float x[PER_LANE];
     float w_min = __int_as_float(0x7f800000);
     float w_max = -w_min;
     bool finite = true;
-    for (int j = 0; j < GROUP; ++j) {
-        float x = static_cast<float>(src[j]);
-        finite = finite && isfinite(x);
-        w_min = fminf(w_min, x);
-        w_max = fmaxf(w_max, x);
+    for (int k = 0; k < PER_LANE; ++k) {
+        x[k] = static_cast<float>(src[lane + 32 * k]);
+        finite = finite && isfinite(x[k]);
+        w_min = fminf(w_min, x[k]);
+        w_max = fmaxf(w_max, x[k]);
     }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        w_min = fminf(w_min, __shfl_xor_sync(0xffffffffu, w_min, offset));
+        w_max = fmaxf(w_max, __shfl_xor_sync(0xffffffffu, w_max, offset));
+    }
+    finite = __all_sync(0xffffffffu, finite);
     const float n_bins = (float)((1 << BITS) - 1);
     float span = __fsub_rn(w_max, w_min);
     bool negative = fabsf(w_min) > fabsf(w_max);
@@ -42,25 +57,27 @@ _SOURCE = r"""
         scale = __fdiv_rn(edge, q0);
         bias = edge;
     }
-    status[group] = !finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
-    unsigned int* dst = wq + (unsigned long long)group * (GROUP * BITS / 32);
-    unsigned long long pending = 0;
-    int pending_bits = 0;
-    int word = 0;
-    for (int j = 0; j < GROUP; ++j) {
-        float x = static_cast<float>(src[j]);
-        float q = rintf(__fdiv_rn(__fsub_rn(x, bias), scale));
-        q = fminf(fmaxf(q, 0.0f), n_bins);
-        pending |= (unsigned long long)(unsigned int)q << pending_bits;
-        pending_bits += BITS;
-        if (pending_bits >= 32) {
-            dst[word++] = (unsigned int)pending;
-            pending >>= 32;
-            pending_bits -= 32;
-        }
+    unsigned char* own = codes + warp * GROUP;
+    for (int k = 0; k < PER_LANE; ++k) {
+        float q = rintf(__fdiv_rn(__fsub_rn(x[k], bias), scale));
+        own[lane + 32 * k] = (unsigned char)fminf(fmaxf(q, 0.0f), n_bins);
     }
-    scales[group] = static_cast<T>(scale);
-    biases[group] = static_cast<T>(bias);
+    __syncwarp();
+    if (lane < WORDS) {
+        // Word `lane` holds stream bits [32 lane, 32 lane + 32) (BITS-2).
+        unsigned int word = 0;
+        for (int i = (32 * lane) / BITS; i <= (32 * lane + 31) / BITS; ++i) {
+            int shift = i * BITS - 32 * (int)lane;
+            unsigned int code = own[i];
+            word |= shift >= 0 ? code << shift : code >> -shift;
+        }
+        wq[group * WORDS + lane] = word;
+    }
+    if (lane == 0) {
+        scales[group] = static_cast<T>(scale);
+        biases[group] = static_cast<T>(bias);
+        status[group] = !finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
+    }
 """
 
 
@@ -80,12 +97,11 @@ def quantize_groups(
     """(wq, scales, biases, status) of `w` [..., D]; status per group as above."""
     *lead, D = w.shape
     n_groups = w.size // group_size
-    threads = 256
     return _kernel()(
         inputs=[w, mx.array([n_groups], dtype=mx.uint32)],
         template=[("T", w.dtype), ("GROUP", group_size), ("BITS", bits)],
-        grid=(-(-n_groups // threads) * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
+        grid=(n_groups * 32, 1, 1),
+        threadgroup=(_WARPS_PER_BLOCK * 32, 1, 1),
         output_shapes=[(*lead, D * bits // 32)] + [(*lead, D // group_size)] * 3,
         output_dtypes=[mx.uint32, w.dtype, w.dtype, mx.uint8],
     )
