@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from kvspec.accelerated import bits as bitstream
 from kvspec.accelerated.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, widen
+from kvspec.accelerated.turboquant_kernels import fused_decode
 from kvspec.reference import turboquant as reference
 from kvspec.reference.turboquant import (
     BLOCK_SIZE,
@@ -50,11 +51,13 @@ __all__ = [
     "codebook_id",
     "decode",
     "decode_keys",
+    "decode_plain",
     "decode_values",
     "decode_values_rotated",
     "encode",
     "encode_keys",
     "encode_values",
+    "fused_decode_enabled",
     "group_rms",
     "hadamard",
     "inv_sqrt",
@@ -192,6 +195,8 @@ def hadamard(x32: mx.array) -> mx.array:
     """Orthonormal Walsh-Hadamard transform of the last axis, float32 (TQ-6)."""
     D = x32.shape[-1]
     validate_head_dim(D)
+    if x32.size == 0:  # mx.hadamard_transform rejects empty arrays
+        return x32.astype(FLOAT32)
     return mx.hadamard_transform(x32.astype(FLOAT32), scale=inv_sqrt(D))
 
 
@@ -359,9 +364,8 @@ def decode(
         raise ValueError(f"up_to {up_to} is outside the {length} stored positions")
     fields = [a[:, :, :up_to] for a in (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales)]
     if fused_decode_enabled():
-        from kvspec.accelerated.turboquant_kernels import fused_decode
-
-        return fused_decode(*fields, k_bits, v_bits, head_dim, defer_v)
+        codebook = centroids(v_bits)
+        return fused_decode(*fields, codebook, signs(head_dim), k_bits, v_bits, head_dim, defer_v)
     return decode_plain(*fields, k_bits, v_bits, head_dim, defer_v)
 
 

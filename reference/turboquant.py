@@ -111,7 +111,8 @@ def validate(x: np.ndarray, what: str) -> None:
 
 def _store_float16(x32: np.ndarray, field: str) -> np.ndarray:
     """f16 copy of a float32 field; ValueError if a value is beyond float16 (TQ-3)."""
-    stored = narrow(x32, FLOAT16)
+    with np.errstate(over="ignore"):  # rejected just below
+        stored = narrow(x32, FLOAT16)
     if not np.all(np.isfinite(stored)):
         raise ValueError(f"a {field} is beyond the float16 range; the format cannot store it")
     return stored
