@@ -94,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the frozen tables differ")
     parser.add_argument("--emit", action="store_true", help="print the tables as Python")
+    parser.add_argument(
+        "--bits", type=int, nargs="+", choices=frozen.VALUE_BITS, default=list(frozen.VALUE_BITS)
+    )
     args = parser.parse_args(argv)
-    tables = {bits: centroids(bits) for bits in frozen.VALUE_BITS}
+    tables = {bits: centroids(bits) for bits in args.bits}
     if args.emit:
         print(emit(tables))
         return 0
