@@ -1,4 +1,4 @@
-"""The TurboQuant codec on MLX ops (spec TQ-1 .. TQ-13); stores the reference's bits.
+"""The TurboQuant codec on MLX ops (spec TQ-1 .. TQ-11, TQ-14); stores the reference's bits.
 
 Every float step is one IEEE float32 operation that rounds the same on every MLX
 backend: min/max, add, subtract, multiply, divide, sqrt, `mx.round` (half to even).

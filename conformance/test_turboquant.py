@@ -358,25 +358,26 @@ def test_worked_example() -> None:
     """TQ-14's key group and value vector, by hand."""
     k = np.array([[-1.0, 0.0, 0.5, 2.0] * 16], np.float32)
     indices, scales, zeros = reference.encode_keys(k, 2)
-    # span 3, scale 1, step f32(1 + 1e-8) = 1, zero rint(-1 / 1) = -1, codes rint(x + 1).
+    # span 3, scale 1, step f32(1 + 1e-8) = 1, zero rint(-1 / 1) = -1, codes rint(x + 1)
+    # with 1.5 tying to 2.
     assert scales.tolist() == [[1.0, 1.0]] and zeros.tolist() == [[-1.0, -1.0]]
     assert indices[0, :4].tolist() == [0, 1, 2, 3]
     assert reference.decode_keys(indices, scales, zeros)[0, :4].tolist() == [-1, 0, 1, 2]
     assert reference.pack_bits(indices, 2)[0, :1].tolist() == [0b11100100]
     v = np.zeros((1, 64), np.float32)
-    v[0, 0] = 8.0
-    # signs(64)[0] = +1; the transform spreads 8 to 8 / sqrt(64) = 1 in every coordinate,
-    # times the transform's own +-1 pattern (row 0 of H is all ones): y = 1 everywhere.
-    assert reference.rotate(v).tolist() == [[1.0] * 64]
+    v[0, :2] = 8.0, 4.0
+    # Signs +1, -1: (8, -4) butterflies to (4, 12), copied by later stages, times 1/8.
+    assert reference.rotate(v)[0].tolist() == [0.5, 1.5] * 32
     indices, scales = reference.encode_values(v, 2)
-    # rms 1, u = 1 / f32(1 + 1e-8) = 1, boundaries (-0.98159, 0, 0.98159): index 3.
-    assert scales.tolist() == [[1.0, 1.0]] and indices.tolist() == [[3] * 64]
+    # rms sqrt(1.25); u = 0.447 and 1.342 against boundaries (-0.98159, 0, 0.98159).
+    assert scales.tolist() == [[np.float16(1.118), np.float16(1.118)]]
+    assert indices[0].tolist() == [2, 3] * 32
     rotated = reference.decode_values_rotated(indices, scales, 2)
-    assert rotated[0, 0] == np.float32(1.5104176)
+    c = reference.centroids(2)
+    assert rotated[0, :2].tolist() == [c[2] * scales[0, 0], c[3] * scales[0, 0]]
     read = reference.decode_values(indices, scales, 2)
-    # A constant rotated vector transforms back to a spike: 64 * 1.5104176 / 8 = 12.08.
-    assert read[0, 0] == np.float32(1.5104176) * 64 * np.float32(0.125)
-    assert not read[0, 1:].any()
+    assert read[0, :2].tolist() == [np.float32(8.780708), np.float32(4.7304487)]
+    assert not read[0, 2:].any()
 
 
 # TQ-14: the fused CUDA decode.

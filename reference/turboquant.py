@@ -1,4 +1,4 @@
-"""The TurboQuant codec (spec TQ-1 .. TQ-13).
+"""The TurboQuant codec (spec TQ-1 .. TQ-11).
 
 Keys and values of one attention head are stored per position, in groups of
 BLOCK_SIZE = 32 consecutive coordinates of head_dim. Keys: asymmetric uniform codes
