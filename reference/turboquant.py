@@ -145,7 +145,8 @@ def encode_keys(k: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
         step = scale + EPS
         if signed:
             middle = top + bottom
-            zero = np.rint(middle / (step * np.float32(2)))
+            twice_step = step * np.float32(2)
+            zero = np.rint(middle / twice_step)
         else:
             zero = np.rint(bottom / step)
         zero = zero + np.float32(0)  # a zero point of -0 is stored as +0
