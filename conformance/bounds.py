@@ -29,3 +29,36 @@ def affine_read_bound(w: np.ndarray, scales: np.ndarray, bits: int, group_size: 
     S = (np.abs(scales.astype(np.float64)) + tau) / (1 - u)
     bound = S * (1 + ENCODE_SLACK) + 2 * n * u * S + n * tau + u * (magnitude + 2 * S) + tau
     return np.broadcast_to(bound[..., None], groups.shape).reshape(w.shape)
+
+
+def turboquant_key_read_bound(
+    k: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int
+) -> np.ndarray:
+    """Per-element bound on |k - decode_keys(encode_keys(k))| (TQ-12), float64.
+
+    From the stored scale s16 and zero point z16 of each group: the float32 scale s
+    lies in [s_lo, s_hi] (one float16 rounding), the code step t = f32(s + EPS) in
+    [t_lo, t_hi]; then
+    bound = |k| max|1 - s16 / t| + s16 (1/2 + delta + e_z) + u32 (n + |z16| + 1) s16,
+    with n the largest code magnitude, e_z the float16 rounding of the zero point (0
+    below 2048, half its spacing above) and delta the float32 slack of the code.
+    """
+    u32 = 2.0**-24
+    u16 = unit_roundoff(scales.dtype)
+    tau16 = smallest_subnormal(scales.dtype)
+    eps = float(np.float32(1e-8))
+    levels = 127 if bits == 8 else 2**bits - 1
+    *lead, D = k.shape
+    x = np.abs(k.astype(np.float64)).reshape(*lead, D // 32, 32)
+    s16 = scales.astype(np.float64)[..., None]
+    z16 = np.abs(zeros.astype(np.float64))[..., None]
+    s_hi = (s16 + tau16 / 2) / (1 - u16)
+    s_lo = np.maximum((s16 - tau16 / 2) / (1 + u16), 0.0)
+    t_hi = (s_hi + eps) * (1 + u32)
+    t_lo = (s_lo + eps) * (1 - u32)
+    shrink = np.maximum(np.abs(1 - s16 / t_lo), np.abs(1 - s16 / t_hi))
+    binade = np.floor(np.log2(np.maximum(z16, 1.0)))
+    e_z = np.where(z16 < 2048, 0.0, 2.0 ** (binade - 11))
+    delta = u32 * (2 * x / t_lo + z16 + 2 * levels + 2)
+    bound = x * shrink + s16 * (0.5 + delta + e_z) + u32 * (levels + z16 + 1) * s16
+    return bound.reshape(k.shape)

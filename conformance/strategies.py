@@ -90,3 +90,21 @@ def grouped_arrays(
 
 
 lead_shapes = st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple)
+
+
+#: Group kinds for the TurboQuant codec: "large" is left out because its magnitudes
+#: (up to 1e29) need scales beyond float16, which TQ-3 rejects; explicit tests cover it.
+TURBOQUANT_KINDS = tuple(kind for kind in GROUP_KINDS if kind != "large")
+
+
+@st.composite
+def kv_pairs(
+    draw: st.DrawFn, head_dims: tuple[int, ...], group_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and values [B, H, L, D] of one dtype and head_dim, drawn group by group."""
+    dtype_name = draw(dtype_names)
+    head_dim = draw(st.sampled_from(head_dims))
+    lead = draw(st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 4)))
+    keys = draw(grouped_arrays(dtype_name, head_dim, group_size, lead, TURBOQUANT_KINDS))
+    values = draw(grouped_arrays(dtype_name, head_dim, group_size, lead, TURBOQUANT_KINDS))
+    return keys, values

@@ -1,0 +1,388 @@
+"""The TurboQuant codec on MLX ops (spec TQ-1 .. TQ-11, TQ-14); stores the reference's bits.
+
+Every float step is one IEEE float32 operation that rounds the same on every MLX
+backend: min/max, add, subtract, multiply, divide, sqrt, `mx.round` (half to even).
+No step is a multiply feeding an add inside one kernel, and nothing is compiled
+with `mx.compile`, so no backend can contract a pair into an FMA. The Hadamard
+transform is `mx.hadamard_transform` in float32, whose butterfly order is the
+spec's (TQ-6); the conformance suite checks it bit for bit. Codebook indices come
+from a binary search over the sorted boundaries, which counts exactly the
+boundaries strictly below u without materialising a [.., D, 2^bits] comparison.
+
+On a CUDA device `decode` runs one fused kernel (turboquant_kernels.py) that
+unpacks and decodes keys and values with the same float32 operations.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+
+from kvspec.accelerated import bits as bitstream
+from kvspec.accelerated.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, widen
+from kvspec.accelerated.turboquant_kernels import fused_decode
+from kvspec.reference import turboquant as reference
+from kvspec.reference.turboquant import (
+    BLOCK_SIZE,
+    EPS,
+    HEAD_DIMS,
+    KEY_BITS,
+    SIGNED_KEY_BITS,
+    SIGNED_KEY_LIMIT,
+    TREE_WIDTHS,
+    VALUE_BITS,
+    codebook_id,
+    packed_dim,
+    validate_head_dim,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "EPS",
+    "HEAD_DIMS",
+    "KEY_BITS",
+    "VALUE_BITS",
+    "TurboQuantTensor",
+    "boundaries",
+    "centroids",
+    "codebook_id",
+    "decode",
+    "decode_keys",
+    "decode_plain",
+    "decode_values",
+    "decode_values_rotated",
+    "encode",
+    "encode_keys",
+    "encode_values",
+    "fused_decode_enabled",
+    "group_rms",
+    "hadamard",
+    "inv_sqrt",
+    "pack_bits",
+    "packed_dim",
+    "rotate",
+    "signs",
+    "stored_bits",
+    "unpack_bits",
+    "unrotate",
+    "validate",
+    "validate_head_dim",
+]
+
+#: Set to "0" to decode with plain MLX ops on CUDA too (for comparisons and triage).
+FUSED_DECODE_ENV = "KVSPEC_TURBOQUANT_FUSED_DECODE"
+
+
+# TQ-1, TQ-2 Constants, from the reference's frozen tables
+
+
+@cache
+def signs(head_dim: int) -> mx.array:
+    """The +-1 float32 sign vector of a head_dim (TQ-1)."""
+    return mx.array(reference.signs(head_dim))
+
+
+def inv_sqrt(head_dim: int) -> float:
+    """f32(1 / sqrt(head_dim)) as a Python float (exact) (TQ-1)."""
+    return float(reference.inv_sqrt(head_dim))
+
+
+@cache
+def centroids(bits: int) -> mx.array:
+    """The 2^bits float32 centroids, ascending (TQ-2)."""
+    return mx.array(reference.centroids(bits))
+
+
+@cache
+def boundaries(bits: int) -> mx.array:
+    """The 2^bits - 1 float32 boundaries (c[i] + c[i+1]) * 0.5 (TQ-2)."""
+    return mx.array(reference.boundaries(bits))
+
+
+# TQ-3 Validation
+
+
+def _check_key_bits(bits: int) -> None:
+    if bits not in KEY_BITS:
+        raise ValueError(f"key bits must be one of {KEY_BITS}, got {bits}")
+
+
+def _check_value_bits(bits: int) -> None:
+    if bits not in VALUE_BITS:
+        raise ValueError(f"value bits must be one of {VALUE_BITS}, got {bits}")
+
+
+def validate(x: mx.array, what: str) -> None:
+    """Reject input the format cannot hold, before anything is computed (TQ-3)."""
+    dtype_name(x.dtype)
+    if x.ndim < 1:
+        raise ValueError(f"{what} must have a head_dim axis, got shape {tuple(x.shape)}")
+    validate_head_dim(x.shape[-1])
+    if not mx.all(mx.isfinite(x)).item():
+        raise ValueError(f"{what} hold NaN or inf, which the format cannot store")
+
+
+def _store_float16(x32: mx.array, field: str) -> mx.array:
+    stored = narrow(x32, FLOAT16)
+    if not mx.all(mx.isfinite(stored)).item():
+        raise ValueError(f"a {field} is beyond the float16 range; the format cannot store it")
+    return stored
+
+
+def _grouped(x: mx.array) -> mx.array:
+    *lead, D = x.shape
+    return x.reshape(*lead, D // BLOCK_SIZE, BLOCK_SIZE)
+
+
+def _check_group_fields(head_dim: int, *fields: mx.array) -> None:
+    for field in fields:
+        if field.dtype != FLOAT16 or field.shape[-1] * BLOCK_SIZE != head_dim:
+            raise ValueError(
+                f"expected float16 group fields of {head_dim // BLOCK_SIZE} per vector, "
+                f"got {field.dtype} {tuple(field.shape)}"
+            )
+
+
+# TQ-4, TQ-5 Keys
+
+
+def encode_keys(k: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(indices, scales, zeros) of keys [..., D] (TQ-4)."""
+    _check_key_bits(bits)
+    validate(k, "keys")
+    signed = bits == SIGNED_KEY_BITS
+    levels = float(2 * SIGNED_KEY_LIMIT if signed else 2**bits - 1)
+    x = _grouped(widen(k))
+    top = mx.max(x, axis=-1)
+    bottom = mx.min(x, axis=-1)
+    span = top - bottom
+    scale = span / levels
+    step = scale + EPS.item()
+    if signed:
+        zero = mx.round((top + bottom) / (step * 2.0)) + 0.0
+    else:
+        zero = mx.round(bottom / step) + 0.0
+    constant = span == 0
+    sign = mx.where(top > 0, 1.0, mx.where(top < 0, -1.0, 0.0))
+    scale = mx.where(constant, mx.abs(top), scale)
+    zero = mx.where(constant, 0.0 if signed else mx.minimum(sign, 0.0), zero)
+    scales = _store_float16(scale, "key scale")
+    zeros = _store_float16(zero, "key zero point")
+    codes = mx.round(x / step[..., None] - zero[..., None])
+    codes = mx.where(constant[..., None], (sign - zero)[..., None], codes)
+    if signed:
+        indices = mx.clip(codes, -SIGNED_KEY_LIMIT, SIGNED_KEY_LIMIT).astype(mx.int8)
+    else:
+        indices = mx.clip(codes, 0.0, levels).astype(mx.uint8)
+    return indices.reshape(k.shape), scales, zeros
+
+
+def decode_keys(indices: mx.array, scales: mx.array, zeros: mx.array) -> mx.array:
+    """float32 keys (index + zero) * scale (TQ-5)."""
+    *lead, D = indices.shape
+    _check_group_fields(D, scales, zeros)
+    offset = _grouped(indices.astype(FLOAT32)) + widen(zeros)[..., None]
+    return (offset * widen(scales)[..., None]).reshape(*lead, D)
+
+
+# TQ-6 Rotation
+
+
+def hadamard(x32: mx.array) -> mx.array:
+    """Orthonormal Walsh-Hadamard transform of the last axis, float32 (TQ-6)."""
+    D = x32.shape[-1]
+    validate_head_dim(D)
+    if x32.size == 0:  # mx.hadamard_transform rejects empty arrays
+        return x32.astype(FLOAT32)
+    return mx.hadamard_transform(x32.astype(FLOAT32), scale=inv_sqrt(D))
+
+
+def rotate(x: mx.array) -> mx.array:
+    """Signs, then the Hadamard transform (TQ-6)."""
+    return hadamard(widen(x) * signs(x.shape[-1]))
+
+
+def unrotate(y: mx.array) -> mx.array:
+    """Inverse of rotate: the Hadamard transform, then the signs (TQ-6, TQ-8)."""
+    return hadamard(widen(y)) * signs(y.shape[-1])
+
+
+# TQ-7, TQ-8 Values
+
+
+def group_rms(y: mx.array) -> mx.array:
+    """Root mean square of each 32-group of the last axis, by the halving tree (TQ-7)."""
+    grouped = _grouped(y)
+    partial = grouped * grouped
+    for w in TREE_WIDTHS:
+        partial = partial[..., :w] + partial[..., w : 2 * w]
+    return mx.sqrt(partial[..., 0] / float(BLOCK_SIZE))
+
+
+def _count_below(u: mx.array, bits: int) -> mx.array:
+    """Number of boundaries strictly below u, by binary search over the sorted table."""
+    table = boundaries(bits)
+    count = mx.zeros(u.shape, mx.uint32)
+    stride = 2 ** (bits - 1)
+    while stride >= 1:
+        candidate = count + stride
+        below = mx.take(table, candidate - 1) < u
+        count = mx.where(below, candidate, count)
+        stride //= 2
+    return count.astype(mx.uint8)
+
+
+def encode_values(v: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """(indices, scales) of values [..., D] (TQ-7)."""
+    _check_value_bits(bits)
+    validate(v, "values")
+    y = rotate(v)
+    rms = group_rms(y)
+    scales = _store_float16(rms, "value scale (group rms)")
+    u = _grouped(y) / (rms + EPS.item())[..., None]
+    return _count_below(u, bits).reshape(v.shape), scales
+
+
+def decode_values_rotated(indices: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """float32 values left in the rotated domain: centroid[index] * scale (TQ-8)."""
+    *lead, D = indices.shape
+    _check_group_fields(D, scales)
+    levels = centroids(bits)
+    wide = indices.astype(mx.uint32)
+    if mx.any(wide >= levels.size).item():
+        raise ValueError(f"a value index is beyond the {levels.size} centroids")
+    coded = _grouped(mx.take(levels, wide))
+    return (coded * widen(scales)[..., None]).reshape(*lead, D)
+
+
+def decode_values(indices: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """float32 values: decode_values_rotated, then unrotate (TQ-8)."""
+    return unrotate(decode_values_rotated(indices, scales, bits))
+
+
+# TQ-9 Packing
+
+
+def pack_bits(indices: mx.array, bits: int) -> mx.array:
+    """Each vector's codes as one LSB-first byte stream; 8-bit codes unchanged (TQ-9)."""
+    packed_dim(indices.shape[-1], bits)
+    if bits == 8:
+        return indices
+    return bitstream.pack_bytes(indices, bits)
+
+
+def unpack_bits(packed: mx.array, bits: int, dim: int) -> mx.array:
+    """Inverse of pack_bits: `dim` uint8 codes per vector (TQ-9)."""
+    packed_dim(dim, bits)
+    if bits == 8:
+        if packed.shape[-1] != dim:
+            raise ValueError(f"expected {dim} 8-bit codes per vector, got {packed.shape[-1]}")
+        return packed
+    return bitstream.unpack_bytes(packed, bits, dim)
+
+
+# TQ-10 Stored tensor
+
+
+@dataclass
+class TurboQuantTensor:
+    """The five stored arrays [B, H, L, *], in persistence slot order (TQ-10)."""
+
+    k_idx: mx.array
+    k_scales: mx.array
+    k_zeros: mx.array
+    v_packed: mx.array
+    v_scales: mx.array
+
+
+def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTensor:
+    """Encode keys and values [B, H, L, D] into one TurboQuantTensor (TQ-10)."""
+    _check_key_bits(k_bits)
+    _check_value_bits(v_bits)
+    if k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(
+            f"keys and values must share one [B, H, L, D] shape, got {tuple(k.shape)} "
+            f"and {tuple(v.shape)}"
+        )
+    validate(k, "keys")
+    validate(v, "values")
+    k_indices, k_scales, k_zeros = encode_keys(k, k_bits)
+    v_indices, v_scales = encode_values(v, v_bits)
+    return TurboQuantTensor(
+        k_idx=pack_bits(k_indices, k_bits),
+        k_scales=k_scales,
+        k_zeros=k_zeros,
+        v_packed=pack_bits(v_indices, v_bits),
+        v_scales=v_scales,
+    )
+
+
+def stored_bits(t: TurboQuantTensor, head_dim: int) -> tuple[int, int]:
+    """(k_bits, v_bits) of a tensor, from its code widths and dtypes (TQ-10)."""
+    validate_head_dim(head_dim)
+    k_bits = t.k_idx.shape[-1] * 8 // head_dim
+    v_bits = t.v_packed.shape[-1] * 8 // head_dim
+    k_dtype = mx.int8 if k_bits == SIGNED_KEY_BITS else mx.uint8
+    if (
+        k_bits not in KEY_BITS
+        or t.k_idx.dtype != k_dtype
+        or packed_dim(head_dim, k_bits) != t.k_idx.shape[-1]
+    ):
+        raise ValueError(
+            f"k_idx {t.k_idx.dtype} {tuple(t.k_idx.shape)} is no key code width of "
+            f"head_dim {head_dim}"
+        )
+    if (
+        v_bits not in VALUE_BITS
+        or t.v_packed.dtype != mx.uint8
+        or packed_dim(head_dim, v_bits) != t.v_packed.shape[-1]
+    ):
+        raise ValueError(
+            f"v_packed {t.v_packed.dtype} {tuple(t.v_packed.shape)} is no value code "
+            f"width of head_dim {head_dim}"
+        )
+    return k_bits, v_bits
+
+
+def fused_decode_enabled() -> bool:
+    """Whether decode runs the fused CUDA kernel: on a CUDA default device, unless
+    KVSPEC_TURBOQUANT_FUSED_DECODE=0."""
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda and os.environ.get(FUSED_DECODE_ENV, "1") != "0"
+
+
+def decode(
+    t: TurboQuantTensor, up_to: int, head_dim: int, defer_v: bool = False
+) -> tuple[mx.array, mx.array]:
+    """float32 keys and values [B, H, up_to, head_dim] of positions [0, up_to) (TQ-10)."""
+    k_bits, v_bits = stored_bits(t, head_dim)
+    length = t.k_idx.shape[2]
+    if not 0 <= up_to <= length:
+        raise ValueError(f"up_to {up_to} is outside the {length} stored positions")
+    fields = [a[:, :, :up_to] for a in (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales)]
+    if fused_decode_enabled():
+        codebook = centroids(v_bits)
+        return fused_decode(*fields, codebook, signs(head_dim), k_bits, v_bits, head_dim, defer_v)
+    return decode_plain(*fields, k_bits, v_bits, head_dim, defer_v)
+
+
+def decode_plain(
+    k_idx: mx.array,
+    k_scales: mx.array,
+    k_zeros: mx.array,
+    v_packed: mx.array,
+    v_scales: mx.array,
+    k_bits: int,
+    v_bits: int,
+    head_dim: int,
+    defer_v: bool,
+) -> tuple[mx.array, mx.array]:
+    """decode's unfused path: unpack, then decode keys and values with MLX ops (TQ-10)."""
+    keys = decode_keys(unpack_bits(k_idx, k_bits, head_dim), k_scales, k_zeros)
+    v_indices = unpack_bits(v_packed, v_bits, head_dim)
+    if defer_v:
+        return keys, decode_values_rotated(v_indices, v_scales, v_bits)
+    return keys, decode_values(v_indices, v_scales, v_bits)
