@@ -21,10 +21,12 @@ import mlx.core as mx
 import numpy as np
 
 from kvspec.accelerated import affine as accelerated_affine
+from kvspec.accelerated import turboquant as accelerated_turboquant
 from kvspec.accelerated.dtypes import from_numpy, to_numpy
 from kvspec.conformance.bounds import affine_read_bound
 from kvspec.conformance.compare import mismatches
 from kvspec.reference import affine as reference_affine
+from kvspec.reference import turboquant as reference_turboquant
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
 
@@ -38,6 +40,8 @@ class Table:
     differs: bool = False
 
     def render(self) -> str:
+        if not self.rows:
+            return f"{self.title}\n  (no array of this workload fits this codec)"
         widths = [
             max(len(column), *(len(row[i]) for row in self.rows))
             for i, column in enumerate(self.columns)
@@ -123,6 +127,87 @@ def affine_table(
     return table
 
 
+TURBOQUANT_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
+
+
+def _relative_mse(read: np.ndarray, exact: np.ndarray) -> float:
+    exact64 = exact.astype(np.float64)
+    return float(np.sum((read.astype(np.float64) - exact64) ** 2) / np.sum(exact64**2))
+
+
+def turboquant_pairs(arrays: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(keys, values) [B, H, L, D] to encode: a file's "keys" and "values" as one pair,
+    and any other 4-D array with a supported head_dim as both (TQ-1)."""
+    pairs = {}
+    if "keys" in arrays and "values" in arrays:
+        pairs["keys/values"] = (arrays["keys"], arrays["values"])
+    for name, array in arrays.items():
+        if name in ("keys", "values"):
+            continue
+        if array.ndim == 4 and array.shape[-1] in reference_turboquant.HEAD_DIMS:
+            pairs[name] = (array, array)
+    return pairs
+
+
+def turboquant_workload(
+    seed: int, head_dims: Sequence[int]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Gaussian keys and values [1, 4, 64, D] per head_dim, four outlier channels 20x."""
+    rng = np.random.default_rng(seed)
+    pairs = {}
+    for head_dim in head_dims:
+        pair = []
+        for _ in ("keys", "values"):
+            array = rng.standard_normal((1, 4, 64, head_dim)).astype(np.float32)
+            array[..., rng.choice(head_dim, 4, replace=False)] *= 20.0
+            pair.append(array)
+        pairs[f"random D={head_dim}"] = (pair[0], pair[1])
+    return pairs
+
+
+def turboquant_table(
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]],
+    k_bits_list: Sequence[int],
+    v_bits_list: Sequence[int],
+    dtype_names: Sequence[str],
+) -> Table:
+    """Stored-field mismatches, read error and size of TurboQuant (TQ-10, TQ-11)."""
+    table = Table(
+        "turboquant (TQ): reference vs accelerated",
+        [
+            *("pair", "k_bits", "v_bits", "head_dim", "dtype"),
+            *TURBOQUANT_FIELDS,
+            *("key rel MSE", "value rel MSE", "bits/value"),
+        ],
+    )
+    for name, (keys, values) in pairs.items():
+        head_dim = keys.shape[-1]
+        for dtype_name in dtype_names:
+            k = keys.astype(np.float32).astype(FLOAT_DTYPES[dtype_name])
+            v = values.astype(np.float32).astype(FLOAT_DTYPES[dtype_name])
+            for k_bits in k_bits_list:
+                for v_bits in v_bits_list:
+                    expected = reference_turboquant.encode(k, v, k_bits, v_bits)
+                    stored = accelerated_turboquant.encode(
+                        from_numpy(k), from_numpy(v), k_bits, v_bits
+                    )
+                    counts = [
+                        mismatches(to_numpy(getattr(stored, f)), getattr(expected, f))
+                        for f in TURBOQUANT_FIELDS
+                    ]
+                    table.differs |= any(counts)
+                    read_k, read_v = accelerated_turboquant.decode(stored, k.shape[2], head_dim)
+                    stored_bits = 8 * sum(getattr(expected, f).nbytes for f in TURBOQUANT_FIELDS)
+                    table.rows.append(
+                        [name, str(k_bits), str(v_bits), str(head_dim), dtype_name]
+                        + [str(c) for c in counts]
+                        + [f"{_relative_mse(to_numpy(read_k), k):.4g}"]
+                        + [f"{_relative_mse(to_numpy(read_v), v):.4g}"]
+                        + [f"{stored_bits / (k.size + v.size):.3f}"]
+                    )
+    return table
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", type=Path, help=".npy or .safetensors file of arrays to encode")
@@ -132,6 +217,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--group-sizes", type=int, nargs="+", default=list(reference_affine.SUPPORTED_GROUP_SIZES)
+    )
+    parser.add_argument(
+        "--k-bits", type=int, nargs="+", default=list(reference_turboquant.KEY_BITS)
+    )
+    parser.add_argument(
+        "--v-bits", type=int, nargs="+", default=list(reference_turboquant.VALUE_BITS)
+    )
+    parser.add_argument(
+        "--head-dims",
+        type=int,
+        nargs="+",
+        default=list(reference_turboquant.HEAD_DIMS),
+        help="head dims of the default TurboQuant workload",
     )
     parser.add_argument(
         "--dtypes",
@@ -146,7 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     arrays = load_arrays(args.input) if args.input else default_workload(args.seed)
     print(f"device: {mx.default_device()}  mlx {mx.__version__}")
-    tables = [affine_table(arrays, args.bits, args.group_sizes, args.dtypes)]
+    if args.input:
+        pairs = turboquant_pairs(arrays)
+    else:
+        pairs = turboquant_workload(args.seed, args.head_dims)
+    tables = [
+        affine_table(arrays, args.bits, args.group_sizes, args.dtypes),
+        turboquant_table(pairs, args.k_bits, args.v_bits, args.dtypes),
+    ]
     for table in tables:
         print()
         print(table.render())

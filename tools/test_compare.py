@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import compare
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-import compare
 
 
 def test_default_workload_has_no_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,3 +33,14 @@ def test_input_file(tmp_path: Path, capsys) -> None:
     np.save(path, np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32))
     assert compare.main(["--input", str(path), "--bits", "8", "--group-sizes", "64"]) == 0
     assert "kv" in capsys.readouterr().out
+
+
+def test_turboquant_rows_on_a_small_workload() -> None:
+    pairs = compare.turboquant_workload(0, [64])
+    table = compare.turboquant_table(pairs, [4, 8], [3], ["bfloat16"])
+    assert not table.differs
+    assert len(table.rows) == 2 and all(len(r) == len(table.columns) for r in table.rows)
+    for row in table.rows:
+        assert row[5:10] == ["0"] * 5
+        assert 0 < float(row[11]) < 0.04  # 3-bit values
+    assert [r[-1] for r in table.rows] == ["4.250", "6.250"]  # (k_bits + 1 + 3 + 0.5) / 2
