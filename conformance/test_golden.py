@@ -59,3 +59,46 @@ def test_backend_reproduces_affine_vectors(backend) -> None:
             ]
             for field, a, e in zip(("wq", "scales", "biases"), stored, expected, strict=True):
                 assert_same_bits(backend.to_numpy(a), e, f"{where} {field}")
+
+
+def _turboquant_field_layout(name: str, shape: list[int], k_bits: int, v_bits: int):
+    B, H, L, D = shape
+    groups = [B, H, L, D // 32]
+    return {
+        "k_idx": (np.int8, shape) if k_bits == 8 else (np.uint8, [B, H, L, D * k_bits // 8]),
+        "k_scales": (np.float16, groups),
+        "k_zeros": (np.float16, groups),
+        "v_packed": (np.uint8, [B, H, L, D * v_bits // 8]),
+        "v_scales": (np.float16, groups),
+    }[name]
+
+
+def test_backend_reproduces_turboquant_vectors(backend) -> None:
+    turboquant = backend.module("turboquant")
+    for group in _load("turboquant")["testGroups"]:
+        dtype = FLOAT_DTYPES[group["dtype"]]
+        k_bits, v_bits = group["kBits"], group["vBits"]
+        for test in group["tests"]:
+            k = backend.from_numpy(from_hex(test["k"], dtype, test["shape"]))
+            v = backend.from_numpy(from_hex(test["v"], dtype, test["shape"]))
+            where = f"tcId {test['tcId']} ({', '.join(test['flags'])})"
+            if test["result"] == "invalid":
+                with pytest.raises(ValueError):
+                    turboquant.encode(k, v, k_bits, v_bits)
+                continue
+            stored = turboquant.encode(k, v, k_bits, v_bits)
+            for field in ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales"):
+                dtype_, shape = _turboquant_field_layout(field, test["shape"], k_bits, v_bits)
+                expected = from_hex(test[field], dtype_, shape)
+                actual = backend.to_numpy(getattr(stored, field))
+                assert_same_bits(actual, expected, f"{where} {field}")
+            L, D = test["shape"][2], test["shape"][3]
+            keys, values = turboquant.decode(stored, L, D)
+            _, rotated = turboquant.decode(stored, L, D, defer_v=True)
+            for field, read in (
+                ("keysRead", keys),
+                ("valuesRead", values),
+                ("valuesRotated", rotated),
+            ):
+                expected = from_hex(test[field], np.float32, test["shape"])
+                assert_same_bits(backend.to_numpy(read), expected, f"{where} {field}")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvspec.conformance.strategies import edge_group
-from kvspec.reference import affine
+from kvspec.reference import affine, turboquant
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
 SCHEMA = "kvspec_vectors_v1"
@@ -145,7 +145,158 @@ def build_affine(seed: int = 2026) -> dict[str, Any]:
     }
 
 
-BUILDERS = {"affine": build_affine}
+TURBOQUANT_NOTES = {
+    "Normal": "Gaussian keys and values: the common case.",
+    "OutlierChannels": "Gaussian with four channels 20x larger, as real keys have.",
+    "ConstantKey": "Constant key groups (TQ-11): they read back as f16(c), never NaN "
+    "(vllm-metal stores an infinite zero point there).",
+    "Zeros": "All-zero keys and values (TQ-11): zero scales, codes at the zero point.",
+    "NonPositive": "Key groups with no positive value.",
+    "Tiny": "Values near 1e-6: EPS = 1e-8 is small against the scale but not negligible.",
+    "Subnormal": "Multiples of the dtype's smallest subnormal (TQ-11).",
+    "Ties": "Small integers: key codes and the rms land on exact values.",
+    "ZeroPointPast2048": "Key groups far from zero (TQ-11): the float16 zero point is "
+    "rounded, so the read is off by whole steps; the stored bits are still exact.",
+    "NonFinite": "NaN or inf in keys or values (TQ-3): must be rejected.",
+    "UnsupportedHeadDim": "head_dim 96 (TQ-1): must be rejected.",
+    "ZeroPointOverflow": "A key zero point beyond float16 (TQ-3): must be rejected.",
+}
+TURBOQUANT_EDGE_FLAGS = {
+    "normal": "Normal",
+    "constant": "ConstantKey",
+    "zeros": "Zeros",
+    "non_positive": "NonPositive",
+    "tiny": "Tiny",
+    "subnormal": "Subnormal",
+    "ties": "Ties",
+}
+TURBOQUANT_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
+
+
+def _vector_of(kind: str, head_dim: int, dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+    """One float32 vector whose 32-groups are all of one kind."""
+    groups = [edge_group(kind, turboquant.BLOCK_SIZE, dtype, rng) for _ in range(head_dim // 32)]
+    return np.concatenate(groups)
+
+
+def _turboquant_inputs(
+    flag: str, head_dim: int, dtype: np.dtype, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and values [1, 1, 2, head_dim] for one flag, in `dtype`."""
+    if flag == "OutlierChannels":
+        kv = rng.standard_normal((2, 1, 1, 2, head_dim)).astype(np.float32)
+        kv[..., rng.choice(head_dim, 4, replace=False)] *= 20.0
+        return kv[0].astype(dtype), kv[1].astype(dtype)
+    if flag == "ZeroPointPast2048":
+        keys = (100 + rng.uniform(0, 0.5, (1, 1, 2, head_dim))).astype(np.float32)
+        values = rng.standard_normal((1, 1, 2, head_dim)).astype(np.float32)
+        return keys.astype(dtype), values.astype(dtype)
+    kind = {v: k for k, v in TURBOQUANT_EDGE_FLAGS.items()}[flag]
+    rows = [_vector_of(kind, head_dim, dtype, rng) for _ in range(4)]
+    kv = np.stack(rows).reshape(2, 1, 1, 2, head_dim)
+    return kv[0].astype(dtype), kv[1].astype(dtype)
+
+
+def _turboquant_valid(tc_id: int, flag: str, k: np.ndarray, v: np.ndarray, bits: tuple) -> dict:
+    t = turboquant.encode(k, v, *bits)
+    keys, values = turboquant.decode(t, k.shape[2], k.shape[3])
+    _, rotated = turboquant.decode(t, k.shape[2], k.shape[3], defer_v=True)
+    return {
+        "tcId": tc_id,
+        "comment": TURBOQUANT_NOTES[flag].split(":")[0].split(" (")[0],
+        "flags": [flag],
+        "shape": list(k.shape),
+        "k": to_hex(k),
+        "v": to_hex(v),
+        **{field: to_hex(getattr(t, field)) for field in TURBOQUANT_FIELDS},
+        "keysRead": to_hex(keys),
+        "valuesRead": to_hex(values),
+        "valuesRotated": to_hex(rotated),
+        "result": "valid",
+    }
+
+
+def _turboquant_invalid(tc_id: int, flag: str, k: np.ndarray, v: np.ndarray) -> dict:
+    return {
+        "tcId": tc_id,
+        "comment": TURBOQUANT_NOTES[flag].split(":")[0],
+        "flags": [flag],
+        "shape": list(k.shape),
+        "k": to_hex(k),
+        "v": to_hex(v),
+        "result": "invalid",
+    }
+
+
+def build_turboquant(seed: int = 2026) -> dict[str, Any]:
+    """The TurboQuant vector file (TQ-1 .. TQ-11), generated from the reference."""
+    rng = np.random.default_rng(seed)
+    bit_pairs = [(2, 2), (3, 3), (4, 4), (5, 5), (8, 8), (8, 4), (4, 2)]
+    edge_flags = [*TURBOQUANT_EDGE_FLAGS.values(), "OutlierChannels", "ZeroPointPast2048"]
+    groups, tc_id = [], 0
+    for dtype_name, dtype in FLOAT_DTYPES.items():
+        for head_dim in turboquant.HEAD_DIMS:
+            for k_bits, v_bits in bit_pairs:
+                if head_dim > 128 and (k_bits, v_bits) != (4, 4):
+                    continue  # the larger head dims only change the rotation's length
+                edges = head_dim == 64 and k_bits == v_bits and k_bits in (2, 4, 8)
+                flags = edge_flags if edges else ["Normal"]
+                tests = []
+                for flag in flags:
+                    tc_id += 1
+                    k, v = _turboquant_inputs(flag, head_dim, dtype, rng)
+                    tests.append(_turboquant_valid(tc_id, flag, k, v, (k_bits, v_bits)))
+                groups.append(
+                    {
+                        "dtype": dtype_name,
+                        "headDim": head_dim,
+                        "kBits": k_bits,
+                        "vBits": v_bits,
+                        "tests": tests,
+                    }
+                )
+        invalid = []
+        normal = rng.standard_normal((2, 1, 1, 2, 64)).astype(np.float32)
+        nan_keys = normal[0].copy()
+        nan_keys[0, 0, 1, 5] = np.nan
+        inf_values = normal[1].copy()
+        inf_values[0, 0, 0, 0] = np.inf
+        odd = rng.standard_normal((2, 1, 1, 2, 96)).astype(np.float32)
+        cases = [
+            ("NonFinite", nan_keys, normal[1]),
+            ("NonFinite", normal[0], inf_values),
+            ("UnsupportedHeadDim", odd[0], odd[1]),
+        ]
+        if dtype_name == "float32":  # the other dtypes cannot hold such keys
+            far = (1e6 + rng.uniform(0, 1, (1, 1, 2, 64))).astype(np.float32)
+            cases.append(("ZeroPointOverflow", far, normal[1]))
+        for flag, k, v in cases:
+            tc_id += 1
+            invalid.append(_turboquant_invalid(tc_id, flag, k.astype(dtype), v.astype(dtype)))
+        groups.append(
+            {"dtype": dtype_name, "headDim": 64, "kBits": 4, "vBits": 4, "tests": invalid}
+        )
+    return {
+        "schema": SCHEMA,
+        "algorithm": "turboquant",
+        "specVersion": SPEC_VERSION,
+        "header": [
+            "TurboQuant keys and values, docs/spec.md chapter 4.",
+            "Arrays are hex of raw little-endian bytes. k, v: the group's dtype, shape "
+            "[B, H, L, D]; k_idx: int8 [B, H, L, D] at 8 key bits, else uint8 "
+            "[B, H, L, D * kBits / 8]; k_scales, k_zeros, v_scales: float16 "
+            "[B, H, L, D / 32]; v_packed: uint8 [B, H, L, D * vBits / 8]; keysRead, "
+            "valuesRead, valuesRotated: float32 [B, H, L, D] (TQ-10).",
+            "A valid test must store the five fields and read the three arrays bit for bit.",
+            "An invalid test must be rejected before anything is stored.",
+        ],
+        "notes": TURBOQUANT_NOTES,
+        "numberOfTests": tc_id,
+        "testGroups": groups,
+    }
+
+
+BUILDERS = {"affine": build_affine, "turboquant": build_turboquant}
 
 
 def vector_path(name: str) -> Path:
