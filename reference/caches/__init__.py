@@ -18,6 +18,12 @@ from kvspec.reference.caches.quantized import QuantizedKVCache
 from kvspec.reference.caches.rotating import RotatingKVCache
 from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
 from kvspec.reference.caches.scheme import (
+    AffineLayer,
+    AffineLayersScheme,
+    AffineScheme,
+    Bf16Scheme,
+    KvStorageScheme,
+    TurboScheme,
     composed_full_attention_cache,
     composed_sliding_attention_cache,
     parse_scheme,
@@ -25,17 +31,23 @@ from kvspec.reference.caches.scheme import (
 
 __all__ = [
     "STEP",
+    "AffineLayer",
+    "AffineLayersScheme",
+    "AffineScheme",
     "Bf16FirstCache",
     "Bf16FirstKv4Head256Cache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16Scheme",
     "Cache",
     "CacheState",
     "KVCache",
     "KvLayout",
+    "KvStorageScheme",
     "QuantizedKVCache",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "TurboScheme",
     "composed_full_attention_cache",
     "composed_sliding_attention_cache",
     "parse_scheme",

@@ -14,7 +14,7 @@ from abc import abstractmethod
 import numpy as np
 
 from kvspec.reference.caches.kv import KVCache
-from kvspec.reference.caches.protocol import Cache, CacheState, KvLayout, Mask, Read
+from kvspec.reference.caches.protocol import A, Cache, CacheState, KvLayout, Mask, Read
 from kvspec.reference.caches.quantized import QuantizedKVCache, check_affine_parameters
 from kvspec.reference.caches.reads import PositionwiseRead
 from kvspec.reference.caches.rotating import RotatingKVCache
@@ -28,14 +28,15 @@ def transition_due(offset: int, start: int) -> bool:
     return offset >= start and offset != 0
 
 
-class Bf16FirstCache(Cache[np.ndarray]):
+class Bf16FirstCache(Cache[A]):
     """Plain storage, then converted storage, switching inside the append that makes
     `transition_due` true (B16F-2). That append is read plain; the storage converts
     before the append returns; later appends go to the converted storage.
 
     Invariants: exactly one storage is held; plain storage is held iff it has never been
     due; the switch is irreversible (trimming below start keeps converted storage).
-    Subclasses name the two storages and the conversion (which consumes the plain one).
+    Subclasses name the two storages and the conversion (which consumes the plain one);
+    this base holds no arrays of its own, so both backends share it.
     """
 
     #: The only head_dim this cache accepts, when its converted storage is specialized.
@@ -45,23 +46,23 @@ class Bf16FirstCache(Cache[np.ndarray]):
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         self.start = start
-        self._plain: Cache[np.ndarray] | None = self._new_plain()
-        self._converted: Cache[np.ndarray] | None = None
+        self._plain: Cache[A] | None = self._new_plain()
+        self._converted: Cache[A] | None = None
 
     @abstractmethod
-    def _new_plain(self) -> Cache[np.ndarray]:
+    def _new_plain(self) -> Cache[A]:
         """Empty plain storage."""
 
     @abstractmethod
-    def _new_converted(self) -> Cache[np.ndarray]:
+    def _new_converted(self) -> Cache[A]:
         """Empty converted storage (for its signature and its append checks)."""
 
     @abstractmethod
-    def _convert(self, plain: Cache[np.ndarray]) -> Cache[np.ndarray]:
+    def _convert(self, plain: Cache[A]) -> Cache[A]:
         """The converted storage of `plain`, which is consumed (CACHE-9)."""
 
     @property
-    def storage(self) -> Cache[np.ndarray]:
+    def storage(self) -> Cache[A]:
         """The storage held now: what row layouts, clones and saved files take."""
         held = self._converted if self._converted is not None else self._plain
         assert held is not None
@@ -92,15 +93,17 @@ class Bf16FirstCache(Cache[np.ndarray]):
     def sliding_window(self) -> int | None:
         return self.storage.sliding_window
 
-    def check_append(self, k: np.ndarray, v: np.ndarray) -> None:
+    def check_append(self, k: A, v: A) -> None:
         """CACHE-2, B16F-3: raise ValueError if `k`, `v` could not be appended."""
         self._check_convertible(k, v)
         self.storage.check_append(k, v)
 
-    def _check_convertible(self, k: np.ndarray, v: np.ndarray) -> None:
+    def _check_convertible(self, k: A, v: A) -> None:
         """B16F-3: before the switch, positions must also be convertible, so a conversion
         never fails on what was accepted. (The storage's own append checks the rest.)"""
-        if self.head_dim is not None and (k.shape[-1] != self.head_dim or v.shape[-1] != self.head_dim):
+        if self.head_dim is not None and (
+            k.shape[-1] != self.head_dim or v.shape[-1] != self.head_dim
+        ):
             raise ValueError(
                 f"{type(self).__name__} takes head_dim {self.head_dim}, got "
                 f"{k.shape[-1]} and {v.shape[-1]}"
@@ -121,49 +124,47 @@ class Bf16FirstCache(Cache[np.ndarray]):
         self._converted = converted
         self._plain = None
 
-    def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def update_and_fetch(self, k: A, v: A) -> tuple[A, A]:
         """The storage's fetch, then the switch the append may owe (B16F-2)."""
         self._check_convertible(k, v)
         fetched = self.storage.update_and_fetch(k, v)
         self._settle()
         return fetched
 
-    def keys_and_values(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def keys_and_values(self) -> tuple[A, A] | None:
         return self.storage.keys_and_values()
 
-    def append_decode(self, k: np.ndarray, v: np.ndarray) -> Read[np.ndarray]:
+    def append_decode(self, k: A, v: A) -> Read[A]:
         """READ-2 on the storage held, then the switch."""
         self._check_convertible(k, v)
         read = self.storage.append_decode(k, v)
         self._settle()
         return read
 
-    def append_window(self, k: np.ndarray, v: np.ndarray) -> Read[np.ndarray]:
+    def append_window(self, k: A, v: A) -> Read[A]:
         """READ-3 on the storage held, then the switch."""
         self._check_convertible(k, v)
         read = self.storage.append_window(k, v)
         self._settle()
         return read
 
-    def append_committed(self, k: np.ndarray, v: np.ndarray) -> Read[np.ndarray]:
+    def append_committed(self, k: A, v: A) -> Read[A]:
         """READ-4 on the storage held, then the switch."""
         self._check_convertible(k, v)
         read = self.storage.append_committed(k, v)
         self._settle()
         return read
 
-    def read_block(self, k: np.ndarray, v: np.ndarray) -> Read[np.ndarray]:
+    def read_block(self, k: A, v: A) -> Read[A]:
         """READ-5 on the storage held; it appends nothing, so nothing converts."""
         return self.storage.read_block(k, v)
 
-    def _first_window_storage(self, read: str) -> Cache[np.ndarray]:
+    def _first_window_storage(self, read: str) -> Cache[A]:
         if self._plain is None:
             raise ValueError(f"{read} reads a sequence's first window; this cache has converted")
         return self._plain
 
-    def append_bidirectional(
-        self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-    ) -> Read[np.ndarray]:
+    def append_bidirectional(self, k: A, v: A, bidirectional: A) -> Read[A]:
         """READ-6: plain storage only, then the switch."""
         self._check_convertible(k, v)
         read = self._first_window_storage("append_bidirectional").append_bidirectional(
@@ -172,9 +173,7 @@ class Bf16FirstCache(Cache[np.ndarray]):
         self._settle()
         return read
 
-    def append_encoder_window(
-        self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-    ) -> Read[np.ndarray]:
+    def append_encoder_window(self, k: A, v: A, bidirectional: A) -> Read[A]:
         """READ-6: plain storage only, then the switch."""
         self._check_convertible(k, v)
         read = self._first_window_storage("append_encoder_window").append_encoder_window(
@@ -207,11 +206,11 @@ class Bf16FirstCache(Cache[np.ndarray]):
         """CACHE-7: "kv:bf16-first:" and the storage's signature."""
         return f"kv:bf16-first:{self.storage.signature()}"
 
-    def state(self) -> CacheState[np.ndarray]:
+    def state(self) -> CacheState[A]:
         """B16F-6: the storage's state; its signature says which storage it is."""
         return self.storage.state()
 
-    def restore_state(self, state: CacheState[np.ndarray]) -> None:
+    def restore_state(self, state: CacheState[A]) -> None:
         """B16F-6: adopt plain or converted storage by the state's signature; plain
         storage that is already due converts now."""
         plain, converted = self._new_plain(), self._new_converted()
@@ -226,8 +225,10 @@ class Bf16FirstCache(Cache[np.ndarray]):
             )
         restored.restore_state(state)
         layout = restored.layout
-        if self.head_dim is not None and layout is not None and (
-            layout.k_dim != self.head_dim or layout.v_dim != self.head_dim
+        if (
+            self.head_dim is not None
+            and layout is not None
+            and (layout.k_dim != self.head_dim or layout.v_dim != self.head_dim)
         ):
             raise ValueError(f"{type(self).__name__} takes head_dim {self.head_dim}, got {layout}")
         if restored is plain:
@@ -291,7 +292,9 @@ class Bf16FirstRotatingQuantizedKVCache(Bf16FirstCache):
         """READ-4: one `append_decode` per position."""
         # check_append covers both storages: the switch may fall inside the span.
         self.check_append(k, v)
-        reads = [self.append_decode(k[:, :, i : i + 1], v[:, :, i : i + 1]) for i in range(k.shape[2])]
+        reads = [
+            self.append_decode(k[:, :, i : i + 1], v[:, :, i : i + 1]) for i in range(k.shape[2])
+        ]
         return PositionwiseRead(tuple(reads))
 
 

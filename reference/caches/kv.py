@@ -100,13 +100,17 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
         # mlx-lm's rule: whole steps covering L; a buffer whose offset is not on a step
         # boundary is first cut to the offset (positions beyond it are dropped).
         n_steps = (STEP + L - 1) // STEP
-        room = [np.zeros((*part.shape[:2], n_steps * STEP, part.shape[3]), part.dtype) for part in new]
+        room = [
+            np.zeros((*part.shape[:2], n_steps * STEP, part.shape[3]), part.dtype) for part in new
+        ]
         if self._fields is None:
             return tuple(room)
         kept = self._fields
         if prev % STEP != 0:
             kept = tuple(field[:, :, :prev] for field in kept)
-        return tuple(np.concatenate([field, extra], axis=2) for field, extra in zip(kept, room, strict=True))
+        return tuple(
+            np.concatenate([field, extra], axis=2) for field, extra in zip(kept, room, strict=True)
+        )
 
     def _live(self) -> Fields:
         assert self._fields is not None

@@ -39,9 +39,7 @@ def kv_layout(k: Any, v: Any, dtype_name: str) -> tuple[KvLayout, int]:
             f"k and v must be [B, H, L, D], got shapes {tuple(k.shape)} and {tuple(v.shape)}"
         )
     if tuple(k.shape[:3]) != tuple(v.shape[:3]):
-        raise ValueError(
-            f"k and v disagree on [B, H, L]: {tuple(k.shape)} and {tuple(v.shape)}"
-        )
+        raise ValueError(f"k and v disagree on [B, H, L]: {tuple(k.shape)} and {tuple(v.shape)}")
     if k.dtype != v.dtype:
         raise ValueError(f"k and v must share one dtype, got {k.dtype} and {v.dtype}")
     B, H, L, k_dim = k.shape

@@ -39,7 +39,9 @@ class PositionwiseRead:
         """Query position i of `queries` [B, Hq, N, D] through read i; N = len(reads)."""
         if queries.shape[2] != len(self.reads):
             raise ValueError(f"expected {len(self.reads)} query positions, got {queries.shape[2]}")
-        outputs = [read.attend(queries[:, :, i : i + 1], scale) for i, read in enumerate(self.reads)]
+        outputs = [
+            read.attend(queries[:, :, i : i + 1], scale) for i, read in enumerate(self.reads)
+        ]
         return np.concatenate(outputs, axis=2)
 
 
@@ -85,8 +87,10 @@ def check_first_window(
         )
     L = k.shape[2]
     if bidirectional.shape != (L, L) or bidirectional.dtype != np.bool_:
-        raise ValueError(f"bidirectional must be bool [{L}, {L}], got {bidirectional.dtype} "
-                         f"{tuple(bidirectional.shape)}")
+        raise ValueError(
+            f"bidirectional must be bool [{L}, {L}], got {bidirectional.dtype} "
+            f"{tuple(bidirectional.shape)}"
+        )
 
 
 def append_bidirectional(

@@ -156,7 +156,11 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         if self._index < self.offset:
             return tuple(
                 np.concatenate(
-                    [f[:, :, : self.keep], f[:, :, self._index :], f[:, :, self.keep : self._index]],
+                    [
+                        f[:, :, : self.keep],
+                        f[:, :, self._index :],
+                        f[:, :, self.keep : self._index],
+                    ],
                     axis=2,
                 )
                 for f in fields
