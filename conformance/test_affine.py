@@ -80,7 +80,9 @@ def test_output_is_the_mlx_format(backend) -> None:
         wq, scales, biases = backend.module("affine").quantize(backend.from_numpy(w), 64, bits)
         x = mlx.array(rng.standard_normal((3, 128)).astype(np.float32))
         dense = mlx.dequantize(wq, scales, biases, group_size=64, bits=bits)
-        product = mlx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=bits)
+        product = mlx.quantized_matmul(
+            x, wq, scales, biases, transpose=True, group_size=64, bits=bits
+        )
         np.testing.assert_allclose(np.array(product), np.array(x @ dense.T), rtol=1e-4, atol=1e-4)
 
 

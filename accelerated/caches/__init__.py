@@ -1,8 +1,9 @@
 """The cache family and its transitions (spec chapter 5), on MLX.
 
-Modules, bottom up: protocol (the reference's Cache ABC and CacheState), masks, attention
-(mx.fast.scaled_dot_product_attention), reads, kv (growable storage, KVCache), quantized, rotating (the ring,
-RotatingKVCache), rotating_quantized, bf16_first, scheme (composition).
+Modules, bottom up: protocol (the reference's Cache ABC and CacheState), masks,
+attention (mx.fast.scaled_dot_product_attention), reads, kv (growable storage, KVCache),
+quantized, rotating (the ring, RotatingKVCache), rotating_quantized, bf16_first, scheme
+(composition).
 """
 
 from kvspec.accelerated.caches.bf16_first import (
