@@ -113,3 +113,25 @@ def test_widths_mlx_lm_cannot_store_at_head_dim_128(backend, bits) -> None:
     assert words.shape == (1, 2, 3, 128 * bits // 32)
     error = np.abs(backend.to_numpy(keys).astype(np.float64) - k.astype(np.float64))
     assert np.all(error <= affine_read_bound(k, scales, bits, 64))
+
+
+@given(
+    n=st.integers(1, 6),
+    offset=st.integers(0, 12),
+    window=st.one_of(st.none(), st.integers(1, 10)),
+)
+def test_full_attention_masks_equal_mlx_lm(backend, n, offset, window) -> None:
+    """MASK-2: as boolean matrices, the backend's masks equal mlx-lm's
+    `create_attention_mask` (which returns an array whenever a window is given)."""
+    from kvspec.reference.caches.masks import mask_matrix
+
+    def as_matrix(mask):
+        if isinstance(mask, mx.array):
+            mask = _to_numpy(mask)
+        elif mask is not None and not isinstance(mask, str):
+            mask = backend.to_numpy(mask)
+        return mask_matrix(mask, n, offset + n)
+
+    ours = backend.module("caches.masks").make_mask(n, offset, window)
+    theirs = mlx_lm_cache.create_attention_mask(n, offset, False, window)
+    assert_same_bits(as_matrix(ours), as_matrix(theirs), "mask")
