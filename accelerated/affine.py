@@ -42,9 +42,7 @@ def validate(w: mx.array, group_size: int, bits: int) -> None:
     if w.ndim < 2:
         raise ValueError(f"input must have at least 2 dimensions, got shape {tuple(w.shape)}")
     if w.shape[-1] % group_size != 0:
-        raise ValueError(
-            f"last axis {w.shape[-1]} is not divisible by group_size {group_size}"
-        )
+        raise ValueError(f"last axis {w.shape[-1]} is not divisible by group_size {group_size}")
     if not mx.all(mx.isfinite(w)).item():
         raise ValueError("input holds NaN or inf, which the format cannot store")
 
@@ -76,7 +74,9 @@ def group_codes(groups: mx.array, scale: mx.array, bias: mx.array, bits: int) ->
     return mx.clip(steps, 0.0, n_bins).astype(mx.uint32)
 
 
-def quantize(w: mx.array, group_size: int = 64, bits: int = 4) -> tuple[mx.array, mx.array, mx.array]:
+def quantize(
+    w: mx.array, group_size: int = 64, bits: int = 4
+) -> tuple[mx.array, mx.array, mx.array]:
     """(wq, scales, biases) of `w` in the MLX affine format (AFF-1 .. AFF-5)."""
     validate(w, group_size, bits)
     *lead, D = w.shape
@@ -103,6 +103,7 @@ def dequantize(
     D = n_words * 32 // bits
     if tuple(scales.shape) != (*lead, D // group_size):
         raise ValueError(
-            f"scales shape {tuple(scales.shape)} does not match {D} values in groups of {group_size}"
+            f"scales shape {tuple(scales.shape)} does not match {D} values "
+            f"in groups of {group_size}"
         )
     return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)

@@ -63,5 +63,5 @@ def test_backend_packs_the_reference_bits(backend, case: tuple[np.ndarray, int])
 
 @pytest.mark.parametrize("bits", [0, 9])
 def test_unsupported_width_is_rejected(bits: int) -> None:
-    with pytest.raises(ValueError, match="bits must be in 1..8"):
+    with pytest.raises(ValueError, match=r"bits must be in 1\.\.8"):
         reference_bits.pack_bytes(np.zeros((1, 8), np.uint8), bits)

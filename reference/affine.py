@@ -28,9 +28,7 @@ def validate(w: np.ndarray, group_size: int, bits: int) -> None:
     if w.ndim < 2:
         raise ValueError(f"input must have at least 2 dimensions, got shape {w.shape}")
     if w.shape[-1] % group_size != 0:
-        raise ValueError(
-            f"last axis {w.shape[-1]} is not divisible by group_size {group_size}"
-        )
+        raise ValueError(f"last axis {w.shape[-1]} is not divisible by group_size {group_size}")
     if not np.all(np.isfinite(widen(w))):
         raise ValueError("input holds NaN or inf, which the format cannot store")
 
