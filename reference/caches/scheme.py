@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import re
 import warnings
 from dataclasses import dataclass
