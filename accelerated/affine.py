@@ -156,6 +156,14 @@ def quantize(
     name = encoder or _default_encoder()
     if name not in ENCODERS:
         raise ValueError(f"encoder must be one of {sorted(ENCODERS)}, got {name!r}")
+    if w.size == 0:  # no rows: nothing to reduce, launch or check
+        *lead, D = w.shape
+        groups = (*lead, D // group_size)
+        return (
+            mx.zeros((*lead, D * bits // 32), mx.uint32),
+            mx.zeros(groups, w.dtype),
+            mx.zeros(groups, w.dtype),
+        )
     return ENCODERS[name](w, group_size, bits)
 
 

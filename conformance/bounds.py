@@ -62,3 +62,33 @@ def turboquant_key_read_bound(
     delta = u32 * (2 * x / t_lo + z16 + 2 * levels + 2)
     bound = x * shrink + s16 * (0.5 + delta + e_z) + u32 * (levels + z16 + 1) * s16
     return bound.reshape(k.shape)
+
+
+# float32 unit roundoff: accumulations inside the backend's attention are float32 (READ-1).
+FLOAT32_ROUNDOFF = 2.0**-24
+
+
+def attention_bound(
+    queries: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float
+) -> np.ndarray:
+    """Per-output bound on |backend attention - reference attention| (READ-1), float64,
+    broadcastable to [B, Hq, N, Dv].
+
+    With u the unit roundoff of the keys' dtype, D the head_dim and T the keys:
+    each score may be off by e = scale * max_j sum_d |q_d k_jd| * (2u + (D + 2) 2^-24)
+    (q * scale rounded, the dot product accumulated in float32 and rounded); the
+    softmax weights then move by at most expm1(2e) in l1, the weights and the output are
+    rounded once each and the output accumulated in float32:
+    bound = max_j |v_j| * (expm1(2e) + 4u + (T + 2) 2^-24).
+    """
+    u = unit_roundoff(keys.dtype)
+    B, Hq, N, D = queries.shape
+    _, Hk, T, _ = keys.shape
+    group = Hq // Hk
+    q = np.abs(queries.astype(np.float64)).reshape(B, Hk, group, N, D)
+    k = np.abs(keys.astype(np.float64))[:, :, None]
+    magnitude = (q @ np.swapaxes(k, -1, -2)).max(axis=-1)
+    score_error = scale * magnitude * (2 * u + (D + 2) * FLOAT32_ROUNDOFF)
+    largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
+    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 2) * FLOAT32_ROUNDOFF)
+    return bound.reshape(B, Hq, N, 1)

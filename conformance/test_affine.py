@@ -161,6 +161,18 @@ def test_bad_input_is_rejected(backend, side, w, group_size, bits, message) -> N
     np.testing.assert_array_equal(w, before)
 
 
+def test_no_rows(backend) -> None:
+    """An array with no rows stores empty fields of the right shapes (AFF-5)."""
+    w = np.zeros((2, 0, 128), np.float32)
+    expected = reference.quantize(w, 64, 3)
+    affine = backend.module("affine")
+    for encoder in _encoders(backend) or [None]:
+        options = {"encoder": encoder} if encoder else {}
+        stored = affine.quantize(backend.from_numpy(w), 64, 3, **options)
+        for name, a, e in zip(("wq", "scales", "biases"), stored, expected, strict=True):
+            assert_same_bits(backend.to_numpy(a), e, name)
+
+
 @pytest.mark.parametrize("dtype_name", sorted(FLOAT_DTYPES))
 def test_all_zero_group(dtype_name: str) -> None:
     """AFF-7: scale -1e-7 (in the dtype), bias +0, codes 0, read back as zeros."""

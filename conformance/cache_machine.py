@@ -1,0 +1,303 @@
+"""A hypothesis state machine that drives a reference cache and a backend cache with the
+same operations and compares them after every step (spec CACHE-1 .. B16F-6).
+
+The reference cache is the model. After each step: same signature, offset and ring
+index, stored fields bit for bit (CACHE-8), and each cache's `check_invariants()`. Each
+read attends with the same random queries on both sides; outputs agree within READ-1's
+bound. Bad input must raise ValueError on both sides and leave both exactly as they were
+(CACHE-2). A failure prints the operations as a runnable program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from types import ModuleType
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvspec.conformance.backend import Backend
+from kvspec.conformance.bounds import attention_bound
+from kvspec.conformance.compare import assert_same_bits
+from kvspec.reference import caches as reference
+from kvspec.reference.caches.reads import DenseRead, PositionwiseRead
+from kvspec.reference.dtypes import FLOAT_DTYPES
+
+#: Builds one cache kind from a backend's `caches` module.
+Factory = Callable[[ModuleType], Any]
+
+READS = ("fetch", "window", "committed")
+
+
+def random_kv(
+    seed: int, shape: tuple[int, int, int, int], v_dim: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """k, v of normal values at a random magnitude, in `dtype`."""
+    rng = np.random.default_rng(seed)
+    magnitude = 10.0 ** rng.uniform(-2, 1)
+    B, H, L, D = shape
+    k = (rng.standard_normal((B, H, L, D)) * magnitude).astype(dtype)
+    v = (rng.standard_normal((B, H, L, v_dim)) * magnitude).astype(dtype)
+    return k, v
+
+
+def assert_same_state(expected: Any, actual: Any, backend: Backend) -> None:
+    """Signature, offset, ring index and stored fields bit for bit (CACHE-8)."""
+    want, got = expected.state(), actual.state()
+    assert got.signature == want.signature
+    assert (got.offset, got.ring_index) == (want.offset, want.ring_index)
+    assert got.minimum_reusable_offset == want.minimum_reusable_offset
+    assert len(got.arrays) == len(want.arrays)
+    for slot, (a, e) in enumerate(zip(got.arrays, want.arrays, strict=True)):
+        assert_same_bits(backend.to_numpy(a), e, f"{want.signature} slot {slot}")
+
+
+def assert_read_within_bound(
+    expected: DenseRead | PositionwiseRead, actual: Any, queries: np.ndarray, backend: Backend
+) -> None:
+    """READ-1: the backend's attention within the bound of the reference's."""
+    scale = float(queries.shape[-1]) ** -0.5
+    want = expected.attend(queries, scale).astype(np.float64)
+    got = backend.to_numpy(actual.attend(backend.from_numpy(queries), scale)).astype(np.float64)
+    assert got.shape == want.shape
+    reads = expected.reads if isinstance(expected, PositionwiseRead) else (expected,)
+    bounds = [
+        attention_bound(
+            queries[:, :, i : i + 1] if len(reads) > 1 else queries, r.keys, r.values, scale
+        )
+        for i, r in enumerate(reads)
+    ]
+    bound = np.concatenate(bounds, axis=2)
+    error = np.abs(got - want)
+    assert np.all(error <= bound), f"attention error {error.max()} > bound {bound.min()}"
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Reference and backend caches of one kind under the same operations."""
+
+    backend: ClassVar[Backend]
+    #: Cache parameters: a strategy of (factory, head_dim, group_size or None).
+    kinds: ClassVar[st.SearchStrategy[tuple[Factory, int, int | None]]]
+    #: The longest append.
+    max_length: ClassVar[int] = 9
+
+    @initialize(
+        data=st.data(),
+        dtype=st.sampled_from(sorted(FLOAT_DTYPES)),
+        batch=st.integers(1, 2),
+        kv_heads=st.integers(1, 2),
+        query_groups=st.sampled_from([1, 2]),
+        same_v_dim=st.booleans(),
+    )
+    def start(self, data, dtype, batch, kv_heads, query_groups, same_v_dim) -> None:
+        factory, head_dim, group_size = data.draw(self.kinds, label="kind")
+        self.factory = factory
+        self.dtype = FLOAT_DTYPES[dtype]
+        self.batch, self.kv_heads = batch, kv_heads
+        self.query_heads = kv_heads * query_groups
+        self.head_dim = head_dim
+        self.group_size = group_size
+        self.ref = factory(reference)
+        fixed = getattr(self.ref, "head_dim", None) is not None
+        self.v_dim = head_dim if same_v_dim or group_size is None or fixed else head_dim * 2
+        self.got = factory(self.backend.module("caches"))
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _kv(self, seed: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return random_kv(
+            seed, (self.batch, self.kv_heads, length, self.head_dim), self.v_dim, self.dtype
+        )
+
+    def _queries(self, seed: int, length: int) -> np.ndarray:
+        rng = np.random.default_rng(seed + 1)
+        shape = (self.batch, self.query_heads, length, self.head_dim)
+        return rng.standard_normal(shape).astype(self.dtype)
+
+    def _both(self, method: str, *arrays: np.ndarray) -> tuple[Any, Any]:
+        expected = getattr(self.ref, method)(*arrays)
+        actual = getattr(self.got, method)(*(self.backend.from_numpy(a) for a in arrays))
+        return expected, actual
+
+    # -- rules ---------------------------------------------------------------------------
+
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), read=st.sampled_from(READS))
+    def append(self, data, seed, read) -> None:
+        length = data.draw(st.integers(1, self.max_length), label="length")
+        k, v = self._kv(seed, length)
+        if read == "fetch":
+            (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
+            assert tuple(ak.shape) == ek.shape and tuple(av.shape) == ev.shape
+            if self._dense():
+                assert_same_bits(self.backend.to_numpy(ak), ek, "fetched keys")
+                assert_same_bits(self.backend.to_numpy(av), ev, "fetched values")
+            return
+        method = "append_window" if read == "window" else "append_committed"
+        expected, actual = self._both(method, k, v)
+        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def decode(self, seed) -> None:
+        k, v = self._kv(seed, 1)
+        expected, actual = self._both("append_decode", k, v)
+        assert_read_within_bound(expected, actual, self._queries(seed, 1), self.backend)
+
+    @precondition(lambda self: self.ref.offset > 0)
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def block(self, data, seed) -> None:
+        length = data.draw(st.integers(1, 4), label="length")
+        k, v = self._kv(seed, length)
+        before = self.ref.state()
+        expected, actual = self._both("read_block", k, v)
+        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+        assert self.ref.state().offset == before.offset
+
+    @precondition(lambda self: self.ref.offset == 0 and not self._converted())
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), encoder=st.booleans())
+    def first_window(self, data, seed, encoder) -> None:
+        length = data.draw(st.integers(1, self.max_length), label="length")
+        k, v = self._kv(seed, length)
+        rng = np.random.default_rng(seed + 2)
+        bidirectional = rng.random((length, length)) < 0.3
+        np.fill_diagonal(bidirectional, True)
+        method = "append_encoder_window" if encoder else "append_bidirectional"
+        expected, actual = self._both(method, k, v, bidirectional)
+        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+
+    @rule(n=st.integers(0, 12))
+    def trim(self, n) -> None:
+        if self.ref.is_trimmable():
+            assert self.got.is_trimmable()
+            assert self.got.trim(n) == self.ref.trim(n)
+            return
+        assert not self.got.is_trimmable()
+        self._expect_rejected(lambda cache, _: cache.trim(n))
+
+    @rule()
+    def state_and_restore(self) -> None:
+        """Restore fresh caches: the reference from its own state, the backend from the
+        reference's arrays (the state format is the same on both sides)."""
+        state = self.ref.state()
+        self.ref = self.factory(reference)
+        self.ref.restore_state(state)
+        self.got = self.factory(self.backend.module("caches"))
+        arrays = tuple(self.backend.from_numpy(a) for a in state.arrays)
+        self.got.restore_state(replace(state, arrays=arrays))
+
+    @rule(
+        seed=st.integers(0, 2**32 - 1),
+        bad=st.sampled_from(["length", "dtype", "head_dim", "rank", "nan"]),
+    )
+    def bad_append(self, seed, bad) -> None:
+        k, v = self._kv(seed, 2)
+        if bad == "length":
+            v = v[:, :, :1]
+        elif bad == "dtype":
+            v = v.astype(np.float32 if self.dtype != np.float32 else np.float16)
+        elif bad == "head_dim":
+            if self.ref.layout is None and not self._fixed_head_dim():
+                return
+            k = np.concatenate([k, k], axis=-1)
+        elif bad == "rank":
+            k = k[0]
+        elif bad == "nan":
+            if not self._rejects_nan():
+                return
+            k[0, 0, 0, 0] = np.nan
+        method = "update_and_fetch" if seed % 2 else "append_window"
+        self._expect_rejected(lambda cache, convert: getattr(cache, method)(convert(k), convert(v)))
+
+    def _expect_rejected(self, operation: Callable[[Any, Callable], Any]) -> None:
+        before_ref, before_got = self.ref.state(), self.got.state()
+        with pytest.raises(ValueError):
+            operation(self.ref, np.asarray)
+        with pytest.raises(ValueError):
+            operation(self.got, self.backend.from_numpy)
+        for cache, before in ((self.ref, before_ref), (self.got, before_got)):
+            after = cache.state()
+            assert (after.signature, after.offset, after.ring_index) == (
+                before.signature,
+                before.offset,
+                before.ring_index,
+            )
+            for a, b in zip(after.arrays, before.arrays, strict=True):
+                assert_same_bits(self.backend.to_numpy(a), self.backend.to_numpy(b), "unchanged")
+
+    # -- what a kind may do --------------------------------------------------------------
+
+    def _dense(self) -> bool:
+        """Storage that holds positions as given: its fetch is bit-exact (CACHE-3)."""
+        return "affine" not in self.ref.signature()
+
+    def _converted(self) -> bool:
+        return isinstance(self.ref, reference.Bf16FirstCache) and self.ref.converted
+
+    def _fixed_head_dim(self) -> bool:
+        return getattr(self.ref, "head_dim", None) is not None
+
+    def _rejects_nan(self) -> bool:
+        """Affine storage cannot hold NaN, nor can a bf16-first cache that will convert."""
+        return not self._dense() or isinstance(self.ref, reference.Bf16FirstCache)
+
+    @precondition(lambda self: isinstance(self.ref, reference.KVCache | reference.RotatingKVCache))
+    @rule(bits=st.sampled_from([2, 3, 4, 5, 6, 8]), group_size=st.sampled_from([32, 64]))
+    def convert(self, bits, group_size) -> None:
+        """CACHE-9: to_quantized consumes its source, leaving it empty."""
+        if self.head_dim % group_size:
+            group_size = 32
+        sources = (self.ref, self.got)
+        self.ref = self.ref.to_quantized(group_size, bits)
+        self.got = self.got.to_quantized(group_size, bits)
+        for source in sources:
+            assert source.offset == 0 and source.state().arrays == ()
+            source.check_invariants()
+        if isinstance(sources[0], reference.RotatingKVCache):
+            max_size, keep = sources[0].max_size, sources[0].keep
+            self.factory = lambda m: m.RotatingQuantizedKVCache(max_size, group_size, bits, keep)
+        else:
+            self.factory = lambda m: m.QuantizedKVCache(group_size, bits)
+
+    @invariant()
+    def same_caches(self) -> None:
+        if not hasattr(self, "ref"):
+            return
+        assert_same_state(self.ref, self.got, self.backend)
+        self.ref.check_invariants()
+        self.got.check_invariants()
+
+
+def run_machine(
+    backend: Backend,
+    kinds: st.SearchStrategy[tuple[Factory, int, int | None]],
+    machine: type[CacheMachine] = CacheMachine,
+    max_length: int = 9,
+) -> None:
+    """Run `machine` over `kinds` against `backend`, scaled to the loaded profile."""
+    profile = settings.default
+    bound_machine = type(
+        machine.__name__,
+        (machine,),
+        {"backend": backend, "kinds": kinds, "max_length": max_length},
+    )
+    run_state_machine_as_test(
+        bound_machine,
+        settings=settings(
+            max_examples=max(10, profile.max_examples // 2),
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            print_blob=True,
+        ),
+    )

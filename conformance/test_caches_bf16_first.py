@@ -1,0 +1,168 @@
+"""bf16-first caches (B16F-1 .. B16F-6): the stateful machine against the reference, the
+convert-after path bit for bit, and mlx-lm's generate-loop conversion as the oracle."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvspec.conformance.cache_machine import random_kv, run_machine
+from kvspec.conformance.compare import assert_same_bits
+from kvspec.reference import caches as reference
+from kvspec.reference.dtypes import BFLOAT16
+
+starts = st.sampled_from([0, 1, 5, 12])
+
+
+@st.composite
+def bf16_first_kinds(draw: st.DrawFn):
+    bits = draw(st.sampled_from([2, 3, 4, 5, 6, 8]))
+    group_size = draw(st.sampled_from([32, 64]))
+    start = draw(starts)
+
+    def factory(m):
+        return m.Bf16FirstQuantizedKVCache(group_size, bits, start)
+
+    return (factory, group_size, group_size)
+
+
+@st.composite
+def bf16_first_rotating_kinds(draw: st.DrawFn):
+    bits = draw(st.sampled_from([2, 4, 8]))
+    max_size = draw(st.integers(1, 8))
+    start = draw(starts)
+
+    def factory(m):
+        return m.Bf16FirstRotatingQuantizedKVCache(max_size, 32, bits, start)
+
+    return (factory, 32, 32)
+
+
+kv4_kinds = starts.map(lambda start: (lambda m: m.Bf16FirstKv4Head256Cache(start), 256, 64))
+
+
+def test_bf16_first_quantized_machine(backend) -> None:
+    run_machine(backend, bf16_first_kinds())
+
+
+def test_bf16_first_rotating_quantized_machine(backend) -> None:
+    run_machine(backend, bf16_first_rotating_kinds(), max_length=11)
+
+
+def test_bf16_first_kv4_head256_machine(backend) -> None:
+    run_machine(backend, kv4_kinds)
+
+
+def test_transition_due() -> None:
+    """B16F-1: due at offset >= start, never while empty."""
+    assert not reference.transition_due(0, 0)
+    assert reference.transition_due(1, 0)
+    assert not reference.transition_due(4, 5)
+    assert reference.transition_due(5, 5)
+
+
+appends = st.lists(st.integers(1, 9), min_size=1, max_size=8)
+
+
+@given(lengths=appends, start=starts, seed=st.integers(0, 2**32 - 1), trim=st.integers(0, 9))
+def test_equals_convert_after(lengths, start, seed, trim) -> None:
+    """B16F-2: stored fields equal storing bf16 and converting the whole window once due,
+    bit for bit, and so does every fetch; trimming below start never converts back."""
+    cache = reference.Bf16FirstQuantizedKVCache(32, 4, start)
+    plain: reference.KVCache | reference.QuantizedKVCache = reference.KVCache()
+    for step, length in enumerate(lengths):
+        k, v = random_kv(seed + step, (1, 2, length, 32), 32, BFLOAT16)
+        assert cache.max_append_tokens() == (
+            start - plain.offset
+            if isinstance(plain, reference.KVCache) and plain.offset < start
+            else math.inf
+        )
+        fetched = cache.update_and_fetch(k, v)
+        expected = plain.update_and_fetch(k, v)
+        if isinstance(plain, reference.KVCache) and reference.transition_due(plain.offset, start):
+            offset = plain.offset
+            plain = plain.to_quantized(32, 4)
+            if start > 0:
+                plain.minimum_reusable_offset = offset
+        for name, a, e in zip(("keys", "values"), fetched, expected, strict=True):
+            assert_same_bits(a, e, f"step {step} {name}")
+        state, want = cache.state(), plain.state()
+        assert (state.signature, state.offset) == (want.signature, want.offset)
+        assert state.minimum_reusable_offset == want.minimum_reusable_offset
+        for slot, (a, e) in enumerate(zip(state.arrays, want.arrays, strict=True)):
+            assert_same_bits(a, e, f"step {step} slot {slot}")
+    was_converted = cache.converted
+    cache.trim(trim)
+    assert cache.converted == was_converted
+
+
+@given(lengths=appends, start=starts, seed=st.integers(0, 2**32 - 1))
+def test_rotating_committed_is_one_decode_per_position(lengths, start, seed) -> None:
+    """READ-4: the rotating bf16-first committed read equals decoding each position."""
+    spans = reference.Bf16FirstRotatingQuantizedKVCache(4, 32, 4, start)
+    decodes = reference.Bf16FirstRotatingQuantizedKVCache(4, 32, 4, start)
+    for step, length in enumerate(lengths):
+        k, v = random_kv(seed + step, (1, 1, length, 32), 32, BFLOAT16)
+        q = random_kv(seed + step + 7, (1, 2, length, 32), 32, BFLOAT16)[0]
+        together = spans.append_committed(k, v).attend(q, 0.25)
+        apart = [
+            decodes.append_decode(k[:, :, i : i + 1], v[:, :, i : i + 1]).attend(
+                q[:, :, i : i + 1], 0.25
+            )
+            for i in range(length)
+        ]
+        assert_same_bits(together, np.concatenate(apart, axis=2), f"step {step}")
+        for a, e in zip(spans.state().arrays, decodes.state().arrays, strict=True):
+            assert_same_bits(a, e, f"step {step} state")
+
+
+def test_kv4_rejects_other_head_dims(backend) -> None:
+    """B16F-3: a head_dim the converted storage does not take is rejected up front."""
+    cache = backend.module("caches").Bf16FirstKv4Head256Cache(8)
+    k, v = random_kv(0, (1, 1, 2, 128), 128, BFLOAT16)
+    with pytest.raises(ValueError, match="head_dim 256"):
+        cache.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    assert cache.offset == 0 and cache.state().arrays == ()
+
+
+def test_first_window_reads_refuse_after_the_switch(backend) -> None:
+    """READ-6: bidirectional and encoder reads need the first window."""
+    cache = backend.module("caches").Bf16FirstQuantizedKVCache(32, 4, 0)
+    k, v = random_kv(1, (1, 1, 3, 32), 32, BFLOAT16)
+    mask = backend.from_numpy(np.eye(3, dtype=bool))
+    cache.append_bidirectional(backend.from_numpy(k), backend.from_numpy(v), mask)
+    assert cache.converted
+    cache.trim(3)
+    for read in (cache.append_bidirectional, cache.append_encoder_window):
+        with pytest.raises(ValueError, match="first window"):
+            read(backend.from_numpy(k), backend.from_numpy(v), mask)
+
+
+mx = pytest.importorskip("mlx.core")
+mlx_lm_cache = pytest.importorskip("mlx_lm.models.cache")
+
+
+@given(lengths=appends, start=starts, seed=st.integers(0, 2**32 - 1))
+def test_equals_mlx_lm_generate_conversion(lengths, start, seed) -> None:
+    """B16F-2: mlx-lm's generate loop (KVCache, to_quantized once offset >= start after a
+    forward, QuantizedKVCache after) stores the same fields (on MLX's CPU kernel)."""
+    from kvspec.accelerated.dtypes import to_numpy
+
+    ours = reference.Bf16FirstQuantizedKVCache(64, 4, start)
+    theirs = mlx_lm_cache.KVCache()
+    for step, length in enumerate(lengths):
+        k, v = random_kv(seed + step, (1, 2, length, 64), 64, BFLOAT16)
+        ours.update_and_fetch(k, v)
+        with mx.stream(mx.cpu):
+            theirs.update_and_fetch(mx.array(k), mx.array(v))
+            if isinstance(theirs, mlx_lm_cache.KVCache) and theirs.offset >= start:
+                theirs = theirs.to_quantized(group_size=64, bits=4)
+        assert ours.converted == isinstance(theirs, mlx_lm_cache.QuantizedKVCache)
+        if ours.converted:
+            fields = ours.state().arrays
+            for slot, field in enumerate((*theirs.keys, *theirs.values)):
+                assert_same_bits(fields[slot], to_numpy(field[:, :, : ours.offset]), f"slot {slot}")

@@ -1,0 +1,102 @@
+"""Invariants stated across operations (CACHE-4, CACHE-5, RING-4, RING-5), on the backend:
+a span appended at once equals the span in pieces where the spec says so, and trimming
+then appending equals never having appended the trimmed positions."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvspec.conformance.cache_machine import random_kv
+from kvspec.conformance.compare import assert_same_bits
+from kvspec.reference.dtypes import BFLOAT16
+
+growing = st.sampled_from(
+    [
+        lambda m: m.KVCache(),
+        lambda m: m.QuantizedKVCache(32, 4),
+        lambda m: m.QuantizedKVCache(32, 6),
+    ]
+)
+rings = st.sampled_from(
+    [lambda m: m.RotatingKVCache(32), lambda m: m.RotatingQuantizedKVCache(32, 32, 3)]
+)
+pieces = st.lists(st.integers(1, 5), min_size=1, max_size=5)
+
+
+def _span(seed: int, length: int):
+    return random_kv(seed, (1, 2, length, 32), 32, BFLOAT16)
+
+
+def _fetch_equal(backend, a, b, what: str) -> None:
+    for name, x, y in zip(
+        ("keys", "values"), a.keys_and_values(), b.keys_and_values(), strict=True
+    ):
+        assert_same_bits(backend.to_numpy(x), backend.to_numpy(y), f"{what} {name}")
+
+
+def _state_equal(backend, a, b, what: str) -> None:
+    sa, sb = a.state(), b.state()
+    assert (sa.offset, sa.ring_index) == (sb.offset, sb.ring_index)
+    for slot, (x, y) in enumerate(zip(sa.arrays, sb.arrays, strict=True)):
+        assert_same_bits(backend.to_numpy(x), backend.to_numpy(y), f"{what} slot {slot}")
+
+
+@given(make=growing, lengths=pieces, seed=st.integers(0, 2**32 - 1))
+def test_growing_span_at_once_equals_pieces(backend, make, lengths, seed) -> None:
+    """CACHE-4: positions are encoded one by one, so the split does not matter."""
+    k, v = _span(seed, sum(lengths))
+    caches = backend.module("caches")
+    once, split = make(caches), make(caches)
+    once.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    start = 0
+    for length in lengths:
+        piece = slice(start, start + length)
+        split.update_and_fetch(
+            backend.from_numpy(k[:, :, piece]), backend.from_numpy(v[:, :, piece])
+        )
+        start += length
+    _state_equal(backend, once, split, "state")
+
+
+@given(make=rings, lengths=pieces, seed=st.integers(0, 2**32 - 1))
+def test_ring_span_at_once_equals_pieces_before_eviction(backend, make, lengths, seed) -> None:
+    """RING-4: until max_size positions are held (here at most 25 of 32), the fetch does
+    not depend on the split (the buffers may differ in unused length)."""
+    k, v = _span(seed, sum(lengths))
+    caches = backend.module("caches")
+    once, split = make(caches), make(caches)
+    once.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    start = 0
+    for length in lengths:
+        piece = slice(start, start + length)
+        split.update_and_fetch(
+            backend.from_numpy(k[:, :, piece]), backend.from_numpy(v[:, :, piece])
+        )
+        start += length
+    assert once.offset == split.offset == once.ring_index == split.ring_index
+    _fetch_equal(backend, once, split, "fetch")
+
+
+@given(
+    make=st.one_of(growing, rings),
+    first=st.integers(1, 6),
+    dropped=st.integers(1, 6),
+    then=st.integers(1, 6),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_trim_then_append_equals_never_appended(backend, make, first, dropped, then, seed) -> None:
+    """CACHE-5, RING-5: trimming what was appended last, then appending, reads as if the
+    trimmed positions had never been appended."""
+    caches = backend.module("caches")
+    a, b = _span(seed, first), _span(seed + 1, dropped)
+    c = _span(seed + 2, then)
+    trimmed, direct = make(caches), make(caches)
+    for cache, spans in ((trimmed, (a, b)), (direct, (a,))):
+        for k, v in spans:
+            cache.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    assert trimmed.trim(dropped) == dropped
+    for cache in (trimmed, direct):
+        cache.update_and_fetch(backend.from_numpy(c[0]), backend.from_numpy(c[1]))
+    assert trimmed.offset == direct.offset
+    _fetch_equal(backend, trimmed, direct, "fetch")

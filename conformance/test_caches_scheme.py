@@ -1,0 +1,98 @@
+"""KV storage schemes (SCHEME-1 .. SCHEME-4): the grammar, its errors, and the cache each
+scheme names per layer, on the backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+
+from kvspec.reference.caches import scheme as reference_scheme
+from kvspec.reference.caches.scheme import (
+    AffineLayer,
+    AffineLayersScheme,
+    AffineScheme,
+    Bf16Scheme,
+    TurboScheme,
+    parse_scheme,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("bf16", Bf16Scheme()),
+        ("affine:4:64", AffineScheme(4, 64, 0)),
+        ("affine:8:32:start=256", AffineScheme(8, 32, 256)),
+        (
+            "affine-layers:0=4/64,3=8/32:start=16",
+            AffineLayersScheme((AffineLayer(0, 4, 64), AffineLayer(3, 8, 32)), 16),
+        ),
+        ("turbo:k8v4", TurboScheme(8, 4, 0)),
+        ("turbo:k4v3:start=128", TurboScheme(4, 3, 128)),
+    ],
+)
+def test_parse(text, expected) -> None:
+    assert parse_scheme(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "bf8",
+        "bf16:start=4",
+        "affine:4",
+        "affine:7:64",
+        "affine:4:48",
+        "affine:4:64:start=-1",
+        "affine:4:64:start=x",
+        "affine-layers:0=4",
+        "affine-layers:0=4/64,0=8/64",
+        "turbo:8:4",
+        "turbo:k8",
+    ],
+)
+def test_malformed_scheme_says_what_is_expected(text) -> None:
+    with pytest.raises(ValueError, match="expected bf16 \\| affine:BITS:GROUP"):
+        parse_scheme(text)
+
+
+def test_composition(backend) -> None:
+    caches = backend.module("caches")
+    compose = backend.module("caches.scheme")
+    assert isinstance(compose.composed_full_attention_cache(Bf16Scheme(), 0), caches.KVCache)
+    full = compose.composed_full_attention_cache(parse_scheme("affine:4:64:start=8"), 2)
+    assert isinstance(full, caches.Bf16FirstQuantizedKVCache)
+    assert (full.bits, full.group_size, full.start) == (4, 64, 8)
+    sliding = compose.composed_sliding_attention_cache(AffineScheme(8, 32), 1, 16)
+    assert isinstance(sliding, caches.Bf16FirstRotatingQuantizedKVCache)
+    assert (sliding.max_size, sliding.bits, sliding.group_size) == (16, 8, 32)
+    layers = parse_scheme("affine-layers:1=4/64")
+    assert isinstance(compose.composed_full_attention_cache(layers, 0), caches.KVCache)
+    assert compose.composed_full_attention_cache(layers, 1).bits == 4
+    assert isinstance(
+        compose.composed_sliding_attention_cache(layers, 0, 8), caches.RotatingKVCache
+    )
+
+
+def test_turbo_sliding_layers_stay_plain_with_one_warning(backend, monkeypatch) -> None:
+    compose = backend.module("caches.scheme")
+    monkeypatch.setattr(reference_scheme, "_warned_turbo_sliding", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = compose.composed_sliding_attention_cache(TurboScheme(8, 4), 0, 8)
+        compose.composed_sliding_attention_cache(TurboScheme(8, 4), 1, 8)
+    assert isinstance(first, backend.module("caches").RotatingKVCache)
+    assert len([w for w in caught if "sliding-window layers stay bf16" in str(w.message)]) == 1
+
+
+def test_turbo_full_attention_needs_the_codec(backend) -> None:
+    """SCHEME-4: without the TurboQuant codec, a clear error."""
+    compose = backend.module("caches.scheme")
+    codec = f"{backend.package}.turboquant"
+    if importlib.util.find_spec(codec) is not None:
+        pytest.skip(f"{codec} exists: the TurboQuant caches are tested with it")
+    with pytest.raises(ValueError, match="turbo caches need the TurboQuant codec"):
+        compose.composed_full_attention_cache(TurboScheme(8, 4), 0)

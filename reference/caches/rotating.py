@@ -1,0 +1,296 @@
+"""Ring storage with mlx-lm's `RotatingKVCache` semantics (spec RING-1 .. RING-6), and
+`RotatingKVCache`, which stores keys and values as given."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvspec.reference.caches.kv import STEP, Fields
+from kvspec.reference.caches.masks import rotating_make_mask
+from kvspec.reference.caches.protocol import (
+    Cache,
+    CacheState,
+    KvLayout,
+    Mask,
+    kv_layout,
+    require,
+    require_same_layout,
+)
+from kvspec.reference.caches.reads import ReadMethods
+from kvspec.reference.dtypes import dtype_name
+
+if TYPE_CHECKING:
+    from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
+
+
+class RingStorage(ReadMethods, Cache[np.ndarray]):
+    """A sliding window of `max_size` positions whose first `keep` are never evicted
+    (RING-1). Fields are [B, H, T, *]; `ring_index` is where the next one-position append
+    writes.
+
+    Invariants (RING-1): no fields iff nothing was appended (or the cache was consumed);
+    0 <= keep < max_size; ring_index <= T; min(offset, max_size) <= T; while
+    offset < max_size the buffer is in temporal order and ring_index == offset; once
+    offset >= max_size, keep <= ring_index.
+    """
+
+    def __init__(self, max_size: int, keep: int = 0) -> None:
+        if max_size < 1:
+            raise ValueError(f"max_size must be at least 1, got {max_size}")
+        if not 0 <= keep < max_size:
+            raise ValueError(f"keep must be in [0, max_size), got {keep}")
+        self.max_size = max_size
+        self.keep = keep
+        self.offset = 0
+        self.minimum_reusable_offset = 0
+        self._index = 0
+        self._fields: Fields | None = None
+        self._layout: KvLayout | None = None
+
+    @abstractmethod
+    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
+        """Fields of new positions; raises ValueError for what the storage cannot hold."""
+
+    @abstractmethod
+    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of stored positions."""
+
+    @abstractmethod
+    def _layout_of(self, fields: Fields) -> KvLayout:
+        """The layout that stored fields imply (for restore_state)."""
+
+    @property
+    def layout(self) -> KvLayout | None:
+        return self._layout
+
+    @property
+    def ring_index(self) -> int | None:
+        return self._index
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.max_size
+
+    @property
+    def length(self) -> int:
+        """T: positions the buffers hold (RING-1)."""
+        return 0 if self._fields is None else self._fields[0].shape[2]
+
+    def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
+        layout, _ = kv_layout(k, v, dtype_name(k.dtype))
+        require_same_layout(self._layout, layout)
+        return layout, self._encode(k, v)
+
+    def check_append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """CACHE-2: raise ValueError if `k`, `v` could not be appended."""
+        self._checked(k, v)
+
+    def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One position: in place (RING-2); more: in temporal order, then concatenated
+        (RING-3). Returns the live buffer decoded, in ring order (RING-4)."""
+        layout, new = self._checked(k, v)
+        if k.shape[2] == 1:
+            self._update_in_place(new)
+        else:
+            self._update_concat(new)
+        self._layout = layout
+        return self._decode(self._live())
+
+    def _update_in_place(self, new: Fields) -> None:
+        """RING-2."""
+        prev = self.offset
+        if self._fields is None or (prev >= self.length and self.length < self.max_size):
+            # Grow by a step, never past max_size.
+            size = min(STEP, self.max_size - prev)
+            room = tuple(np.zeros((*p.shape[:2], size, p.shape[3]), p.dtype) for p in new)
+            if self._fields is None:
+                self._fields = room
+            else:
+                self._fields = tuple(
+                    np.concatenate([f, r], axis=2) for f, r in zip(self._fields, room, strict=True)
+                )
+            self._index = prev
+        excess = self.length - self.max_size
+        if excess > 0:
+            # A multi-position update left more than max_size: drop the oldest after keep.
+            self._fields = self._evicted(excess, self._fields)
+            self._index = self.max_size
+        if self._index == self.max_size:
+            self._index = self.keep
+        for field, part in zip(self._fields, new, strict=True):
+            field[:, :, self._index : self._index + 1] = part
+        self.offset = prev + 1
+        self._index += 1
+
+    def _update_concat(self, new: Fields) -> None:
+        """RING-3."""
+        if self._fields is None:
+            self._fields = new
+        else:
+            ordered = self._temporal_order(self._fields)
+            # Keep max_size - 1 old positions so each new query still sees max_size.
+            excess = ordered[0].shape[2] - self.max_size + 1
+            kept = self._evicted(excess, ordered)
+            self._fields = tuple(
+                np.concatenate([f, p], axis=2) for f, p in zip(kept, new, strict=True)
+            )
+        self.offset += new[0].shape[2]
+        self._index = self.length
+
+    def _evicted(self, count: int, fields: Fields) -> Fields:
+        """Drop `count` positions right after the first `keep` (RING-3)."""
+        if count <= 0:
+            return fields
+        return tuple(
+            np.concatenate([f[:, :, : self.keep], f[:, :, count + self.keep :]], axis=2)
+            for f in fields
+        )
+
+    def _temporal_order(self, fields: Fields) -> Fields:
+        """The buffer oldest first, unused tail cut (RING-3)."""
+        if self._index == self.length:
+            return fields
+        if self._index < self.offset:
+            return tuple(
+                np.concatenate(
+                    [
+                        f[:, :, : self.keep],
+                        f[:, :, self._index :],
+                        f[:, :, self.keep : self._index],
+                    ],
+                    axis=2,
+                )
+                for f in fields
+            )
+        return tuple(f[:, :, : self._index] for f in fields)
+
+    def _live(self) -> Fields:
+        assert self._fields is not None
+        end = min(self.offset, self.length)
+        return tuple(f[:, :, :end].copy() for f in self._fields)
+
+    def keys_and_values(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The first min(offset, T) buffer positions decoded, in ring order (RING-4)."""
+        if self._fields is None:
+            return None
+        return self._decode(self._live())
+
+    def is_trimmable(self) -> bool:
+        """Only while nothing was evicted: offset < max_size (RING-5)."""
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        """RING-5: lower offset and ring index by min(n, offset)."""
+        if n < 0:
+            raise ValueError(f"cannot trim a negative count {n}")
+        if not self.is_trimmable():
+            raise ValueError(
+                f"a ring holding offset {self.offset} >= max_size {self.max_size} has evicted "
+                "positions and cannot be trimmed"
+            )
+        trimmed = min(n, self.offset)
+        self.offset -= trimmed
+        self._index -= trimmed
+        return trimmed
+
+    def make_mask(self, n: int, window_size: int | None) -> Mask:
+        """MASK-3."""
+        return rotating_make_mask(n, self.offset, self.max_size, self._index, window_size)
+
+    def bytes_per_token(self) -> int:
+        """CACHE-6: one position of every field; 0 before the first append."""
+        if self._fields is None:
+            return 0
+        return sum(f[:, :, :1].nbytes for f in self._fields)
+
+    def state(self) -> CacheState[np.ndarray]:
+        """RING-6: the whole buffer in ring order, offset, ring index."""
+        arrays = () if self._fields is None else tuple(f.copy() for f in self._fields)
+        return CacheState(
+            self.signature(), arrays, self.offset, self._index, self.minimum_reusable_offset
+        )
+
+    def restore_state(self, state: CacheState[np.ndarray]) -> None:
+        """RING-6."""
+        if state.signature != self.signature():
+            raise ValueError(f"state of {state.signature!r} cannot restore {self.signature()!r}")
+        index = state.ring_index
+        length = state.arrays[0].shape[2] if state.arrays else 0
+        if index is None or not 0 <= index <= length:
+            raise ValueError(f"ring index {index} must be in [0, {length}]")
+        layout = self._layout_of(state.arrays) if state.arrays else None
+        if not state.arrays and state.offset != 0:
+            raise ValueError("a state without arrays must have offset 0")
+        self._fields = tuple(a.copy() for a in state.arrays) if state.arrays else None
+        self._layout = layout
+        self.offset = state.offset
+        self._index = index
+        self.minimum_reusable_offset = state.minimum_reusable_offset
+
+    def adopt(self, fields: Fields, layout: KvLayout) -> None:
+        """Take `fields` in ring order as the stored buffer (conversions, CACHE-9)."""
+        self._fields = fields
+        self._layout = layout
+
+    def _reset(self) -> None:
+        """Back to the constructed state: what a consumed source is left as (CACHE-9)."""
+        self._fields = None
+        self._layout = None
+        self.offset = 0
+        self._index = 0
+        self.minimum_reusable_offset = 0
+
+    def check_invariants(self) -> None:
+        """RING-1 invariants."""
+        if self._fields is None:
+            require(self.offset == 0 and self._index == 0, "empty ring holds positions")
+            return
+        T = self.length
+        require(self._index <= T, f"ring index {self._index} > length {T}")
+        require(min(self.offset, self.max_size) <= T, f"length {T} < min(offset, max_size)")
+        if self.offset < self.max_size:
+            require(self._index == self.offset, f"ring index {self._index} != offset {self.offset}")
+        else:
+            require(self.keep <= self._index, f"ring index {self._index} < keep {self.keep}")
+        for field in self._fields:
+            require(field.shape[:3] == self._fields[0].shape[:3], "fields disagree on B, H, T")
+
+
+class RotatingKVCache(RingStorage):
+    """Keys and values stored as given in a ring (RING-1).
+
+    Slot order (RING-6): keys [B, H, T, Dk], values [B, H, T, Dv], the buffer in ring order.
+    """
+
+    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
+        return k.copy(), v.copy()
+
+    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
+        return fields[0], fields[1]
+
+    def _layout_of(self, fields: Fields) -> KvLayout:
+        keys, values = fields
+        B, H, _, k_dim = keys.shape
+        return KvLayout(B, H, k_dim, values.shape[3], dtype_name(keys.dtype))
+
+    def signature(self) -> str:
+        return f"kv:rotating:{self.max_size}:{self.keep}"
+
+    def to_quantized(self, group_size: int, bits: int) -> RotatingQuantizedKVCache:
+        """The whole buffer quantized position by position into a RotatingQuantizedKVCache
+        with this ring's max_size, keep, offset and ring index; this cache is consumed
+        (CACHE-9, QRING-2)."""
+        from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
+
+        target = RotatingQuantizedKVCache(self.max_size, group_size, bits, self.keep)
+        if self._fields is not None:
+            assert self._layout is not None
+            target.adopt(target._encode(*self._fields), self._layout)
+        target.offset = self.offset
+        target._index = self._index
+        target.minimum_reusable_offset = self.minimum_reusable_offset
+        self._reset()
+        return target
