@@ -301,3 +301,16 @@ def run_machine(
             print_blob=True,
         ),
     )
+
+
+# Operation sequences shared by the explicit cache tests.
+#: Ring operations: (kind, length) with kind append (length positions), decode, trim.
+ring_operations = st.lists(
+    st.tuples(st.sampled_from(["append", "decode", "decode", "trim"]), st.integers(1, 12)),
+    min_size=1,
+    max_size=16,
+)
+#: Append lengths of a bf16-first session.
+appends = st.lists(st.integers(1, 9), min_size=1, max_size=8)
+#: Conversion starts of bf16-first caches.
+starts = st.sampled_from([0, 1, 5, 12])

@@ -10,12 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.cache_machine import random_kv, run_machine
+from kvspec.conformance.cache_machine import appends, random_kv, run_machine, starts
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import caches as reference
 from kvspec.reference.dtypes import BFLOAT16
-
-starts = st.sampled_from([0, 1, 5, 12])
 
 
 @st.composite
@@ -63,9 +61,6 @@ def test_transition_due() -> None:
     assert reference.transition_due(1, 0)
     assert not reference.transition_due(4, 5)
     assert reference.transition_due(5, 5)
-
-
-appends = st.lists(st.integers(1, 9), min_size=1, max_size=8)
 
 
 @given(lengths=appends, start=starts, seed=st.integers(0, 2**32 - 1), trim=st.integers(0, 9))
@@ -140,29 +135,3 @@ def test_first_window_reads_refuse_after_the_switch(backend) -> None:
     for read in (cache.append_bidirectional, cache.append_encoder_window):
         with pytest.raises(ValueError, match="first window"):
             read(backend.from_numpy(k), backend.from_numpy(v), mask)
-
-
-mx = pytest.importorskip("mlx.core")
-mlx_lm_cache = pytest.importorskip("mlx_lm.models.cache")
-
-
-@given(lengths=appends, start=starts, seed=st.integers(0, 2**32 - 1))
-def test_equals_mlx_lm_generate_conversion(lengths, start, seed) -> None:
-    """B16F-2: mlx-lm's generate loop (KVCache, to_quantized once offset >= start after a
-    forward, QuantizedKVCache after) stores the same fields (on MLX's CPU kernel)."""
-    from kvspec.accelerated.dtypes import to_numpy
-
-    ours = reference.Bf16FirstQuantizedKVCache(64, 4, start)
-    theirs = mlx_lm_cache.KVCache()
-    for step, length in enumerate(lengths):
-        k, v = random_kv(seed + step, (1, 2, length, 64), 64, BFLOAT16)
-        ours.update_and_fetch(k, v)
-        with mx.stream(mx.cpu):
-            theirs.update_and_fetch(mx.array(k), mx.array(v))
-            if isinstance(theirs, mlx_lm_cache.KVCache) and theirs.offset >= start:
-                theirs = theirs.to_quantized(group_size=64, bits=4)
-        assert ours.converted == isinstance(theirs, mlx_lm_cache.QuantizedKVCache)
-        if ours.converted:
-            fields = ours.state().arrays
-            for slot, field in enumerate((*theirs.keys, *theirs.values)):
-                assert_same_bits(fields[slot], to_numpy(field[:, :, : ours.offset]), f"slot {slot}")

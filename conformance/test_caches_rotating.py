@@ -4,11 +4,10 @@ and the quantized ring equal to quantizing the bf16 ring."""
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.cache_machine import random_kv, run_machine
+from kvspec.conformance.cache_machine import random_kv, ring_operations, run_machine
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import affine
 from kvspec.reference import caches as reference
@@ -41,13 +40,6 @@ def test_rotating_kv_cache_machine(backend) -> None:
 
 def test_rotating_quantized_kv_cache_machine(backend) -> None:
     run_machine(backend, rotating_quantized_kinds(), max_length=11)
-
-
-ring_operations = st.lists(
-    st.tuples(st.sampled_from(["append", "decode", "decode", "trim"]), st.integers(1, 12)),
-    min_size=1,
-    max_size=16,
-)
 
 
 @given(
@@ -88,43 +80,3 @@ def test_quantized_ring_equals_quantized_bf16_ring(ops, seed, max_size, keep, bi
         )
         for slot, field in enumerate(ring.state().arrays):
             assert_same_bits(field[:, :, :live], expected[slot], f"step {step} slot {slot}")
-
-
-mx = pytest.importorskip("mlx.core")
-mlx_lm_cache = pytest.importorskip("mlx_lm.models.cache")
-
-
-@given(
-    ops=ring_operations,
-    seed=st.integers(0, 2**32 - 1),
-    max_size=st.integers(1, 9),
-    keep=st.integers(0, 3),
-    window=st.one_of(st.none(), st.integers(1, 9)),
-)
-def test_rotating_kv_cache_equals_mlx_lm(ops, seed, max_size, keep, window) -> None:
-    """RING-2 .. RING-5, MASK-3: offsets, ring index, fetches and masks equal mlx-lm's."""
-    from kvspec.accelerated.dtypes import to_numpy
-
-    keep = min(keep, max_size - 1)
-    ours = reference.RotatingKVCache(max_size, keep)
-    theirs = mlx_lm_cache.RotatingKVCache(max_size, keep)
-    for step, (op, n) in enumerate(ops):
-        if op == "trim":
-            if not theirs.is_trimmable():
-                assert not ours.is_trimmable()
-                continue
-            assert ours.trim(n) == theirs.trim(n)
-            continue
-        length = n if op == "append" else 1
-        ours_mask = ours.make_mask(length, window)
-        their_mask = theirs.make_mask(length, window_size=window)
-        if isinstance(their_mask, mx.array):
-            assert_same_bits(ours_mask, to_numpy(their_mask), f"step {step} mask")
-        else:
-            assert ours_mask == their_mask
-        k, v = random_kv(seed + step, (1, 1, length, 32), 32, BFLOAT16)
-        keys, values = ours.update_and_fetch(k, v)
-        their_keys, their_values = theirs.update_and_fetch(mx.array(k), mx.array(v))
-        assert_same_bits(keys, to_numpy(their_keys), f"step {step} keys")
-        assert_same_bits(values, to_numpy(their_values), f"step {step} values")
-        assert (ours.offset, ours.ring_index) == (theirs.offset, theirs._idx)
