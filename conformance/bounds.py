@@ -92,3 +92,28 @@ def attention_bound(
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
     bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 2) * FLOAT32_ROUNDOFF)
     return bound.reshape(B, Hq, N, 1)
+
+
+def deferred_attention_bound(
+    queries: np.ndarray, keys: np.ndarray, rotated_values: np.ndarray, scale: float
+) -> np.ndarray:
+    """Per-output bound on |backend deferred read - reference deferred read| (TQC-4),
+    float64, broadcastable to [B, Hq, N, D].
+
+    Both attend over the rotated values, within b = attention_bound of each other per
+    element, then unrotate in float32. The orthogonal transform maps an error of at most b
+    per element to at most sqrt(D) b per element, and each side's float32 transform adds at
+    most t ||x|| (t = (log2 D + 1) 2^-24, TQ-6) for an input row x, whose norm is at most
+    R (1 + 2^-24) on the reference's side (R the largest row norm of the rotated values; the
+    output is a convex combination of rows, rounded once) and sqrt(D) b more on the
+    backend's:
+    bound = sqrt(D) b + t (2 R (1 + 2^-24) + sqrt(D) b).
+    """
+    B, Hq, _, _ = queries.shape
+    Hk, D = keys.shape[1], rotated_values.shape[-1]
+    b = attention_bound(queries, keys, rotated_values, scale)
+    norms = np.linalg.norm(rotated_values.astype(np.float64), axis=-1).max(axis=-1)
+    R = np.repeat(norms, Hq // Hk, axis=1).reshape(B, Hq, 1, 1)
+    t = (np.log2(D) + 1) * FLOAT32_ROUNDOFF
+    spread = np.sqrt(D) * b
+    return spread + t * (2 * R * (1 + FLOAT32_ROUNDOFF) + spread)
