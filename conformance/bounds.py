@@ -1,9 +1,11 @@
-"""Read-error bounds the spec derives, as functions of stored fields (AFF-8)."""
+"""Read-error bounds the spec derives (AFF-8, TQ-12, READ-1, TQC-4)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvspec.reference.caches.reads import DenseRead
+from kvspec.reference.caches.turboquant import DeferredRead
 from kvspec.reference.dtypes import smallest_subnormal, unit_roundoff
 
 # Relative slack for the float32 steps of the encoder (AFF-8: subtract, divide,
@@ -117,3 +119,10 @@ def deferred_attention_bound(
     t = (np.log2(D) + 1) * FLOAT32_ROUNDOFF
     spread = np.sqrt(D) * b
     return spread + t * (2 * R * (1 + FLOAT32_ROUNDOFF) + spread)
+
+
+def read_bound(queries: np.ndarray, read: DenseRead | DeferredRead, scale: float) -> np.ndarray:
+    """The bound of a backend's read around the reference's `read` (READ-1, TQC-4)."""
+    if isinstance(read, DeferredRead):
+        return deferred_attention_bound(queries, read.keys, read.rotated_values, scale)
+    return attention_bound(queries, read.keys, read.values, scale)

@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 )
 
 from kvspec.conformance.backend import Backend
-from kvspec.conformance.bounds import attention_bound, deferred_attention_bound
+from kvspec.conformance.bounds import read_bound
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import caches as reference
 from kvspec.reference import turboquant
@@ -64,13 +64,6 @@ def assert_same_state(expected: Any, actual: Any, backend: Backend) -> None:
     assert len(got.arrays) == len(want.arrays)
     for slot, (a, e) in enumerate(zip(got.arrays, want.arrays, strict=True)):
         assert_same_bits(backend.to_numpy(a), e, f"{want.signature} slot {slot}")
-
-
-def read_bound(queries: np.ndarray, read: DenseRead | DeferredRead, scale: float) -> np.ndarray:
-    """The bound of a backend's read around the reference's `read` (READ-1, TQC-4)."""
-    if isinstance(read, DeferredRead):
-        return deferred_attention_bound(queries, read.keys, read.rotated_values, scale)
-    return attention_bound(queries, read.keys, read.values, scale)
 
 
 def assert_read_within_bound(
