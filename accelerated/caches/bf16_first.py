@@ -85,7 +85,7 @@ class Bf16FirstKv4Head256Cache(Bf16FirstQuantizedKVCache):
 
 class Bf16FirstTurboQuantKVCache(Bf16FirstCache[mx.array]):
     """KVCache, then TurboQuantKVCache(k_bits, v_bits, kernels) (B16F-2): the cache the turbo
-    scheme composes for full-attention layers (SCHEME-3)."""
+    scheme composes for full-attention layers (SCHEME-4)."""
 
     def __init__(self, k_bits: int, v_bits: int, start: int, kernels: str = "dense") -> None:
         check_turboquant_parameters(k_bits, v_bits, kernels)
