@@ -1,9 +1,11 @@
-"""Read-error bounds the spec derives, as functions of stored fields (AFF-8)."""
+"""Read-error bounds the spec derives (AFF-8, TQ-12, READ-1, TQC-4)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvspec.reference.caches.reads import DenseRead
+from kvspec.reference.caches.turboquant import DeferredRead
 from kvspec.reference.dtypes import smallest_subnormal, unit_roundoff
 
 # Relative slack for the float32 steps of the encoder (AFF-8: subtract, divide,
@@ -92,3 +94,35 @@ def attention_bound(
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
     bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 2) * FLOAT32_ROUNDOFF)
     return bound.reshape(B, Hq, N, 1)
+
+
+def deferred_attention_bound(
+    queries: np.ndarray, keys: np.ndarray, rotated_values: np.ndarray, scale: float
+) -> np.ndarray:
+    """Per-output bound on |backend deferred read - reference deferred read| (TQC-4),
+    float64, broadcastable to [B, Hq, N, D].
+
+    Both attend over the rotated values, within b = attention_bound of each other per
+    element, then unrotate in float32. The orthogonal transform maps an error of at most b
+    per element to at most sqrt(D) b per element, and each side's float32 transform adds at
+    most t ||x|| (t = (log2 D + 1) 2^-24, TQ-6) for an input row x, whose norm is at most
+    R (1 + 2^-24) on the reference's side (R the largest row norm of the rotated values; the
+    output is a convex combination of rows, rounded once) and sqrt(D) b more on the
+    backend's:
+    bound = sqrt(D) b + t (2 R (1 + 2^-24) + sqrt(D) b).
+    """
+    B, Hq, _, _ = queries.shape
+    Hk, D = keys.shape[1], rotated_values.shape[-1]
+    b = attention_bound(queries, keys, rotated_values, scale)
+    norms = np.linalg.norm(rotated_values.astype(np.float64), axis=-1).max(axis=-1)
+    R = np.repeat(norms, Hq // Hk, axis=1).reshape(B, Hq, 1, 1)
+    t = (np.log2(D) + 1) * FLOAT32_ROUNDOFF
+    spread = np.sqrt(D) * b
+    return spread + t * (2 * R * (1 + FLOAT32_ROUNDOFF) + spread)
+
+
+def read_bound(queries: np.ndarray, read: DenseRead | DeferredRead, scale: float) -> np.ndarray:
+    """The bound of a backend's read around the reference's `read` (READ-1, TQC-4)."""
+    if isinstance(read, DeferredRead):
+        return deferred_attention_bound(queries, read.keys, read.rotated_values, scale)
+    return attention_bound(queries, read.keys, read.values, scale)

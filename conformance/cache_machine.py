@@ -29,10 +29,12 @@ from hypothesis.stateful import (
 )
 
 from kvspec.conformance.backend import Backend
-from kvspec.conformance.bounds import attention_bound
+from kvspec.conformance.bounds import read_bound
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import caches as reference
+from kvspec.reference import turboquant
 from kvspec.reference.caches.reads import DenseRead, PositionwiseRead
+from kvspec.reference.caches.turboquant import KERNELS, DeferredRead
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
 #: Builds one cache kind from a backend's `caches` module.
@@ -65,18 +67,19 @@ def assert_same_state(expected: Any, actual: Any, backend: Backend) -> None:
 
 
 def assert_read_within_bound(
-    expected: DenseRead | PositionwiseRead, actual: Any, queries: np.ndarray, backend: Backend
+    expected: DenseRead | DeferredRead | PositionwiseRead,
+    actual: Any,
+    queries: np.ndarray,
+    backend: Backend,
 ) -> None:
-    """READ-1: the backend's attention within the bound of the reference's."""
+    """READ-1, TQC-4: the backend's attention within the bound of the reference's."""
     scale = float(queries.shape[-1]) ** -0.5
     want = expected.attend(queries, scale).astype(np.float64)
     got = backend.to_numpy(actual.attend(backend.from_numpy(queries), scale)).astype(np.float64)
     assert got.shape == want.shape
     reads = expected.reads if isinstance(expected, PositionwiseRead) else (expected,)
     bounds = [
-        attention_bound(
-            queries[:, :, i : i + 1] if len(reads) > 1 else queries, r.keys, r.values, scale
-        )
+        read_bound(queries[:, :, i : i + 1] if len(reads) > 1 else queries, r, scale)
         for i, r in enumerate(reads)
     ]
     bound = np.concatenate(bounds, axis=2)
@@ -140,7 +143,7 @@ class CacheMachine(RuleBasedStateMachine):
         if read == "fetch":
             (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
             assert tuple(ak.shape) == ek.shape and tuple(av.shape) == ev.shape
-            if self._dense():
+            if self._fetch_exact():
                 assert_same_bits(self.backend.to_numpy(ak), ek, "fetched keys")
                 assert_same_bits(self.backend.to_numpy(av), ev, "fetched values")
             return
@@ -237,8 +240,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- what a kind may do --------------------------------------------------------------
 
-    def _dense(self) -> bool:
-        """Storage that holds positions as given: its fetch is bit-exact (CACHE-3)."""
+    def _fetch_exact(self) -> bool:
+        """Storage whose fetch is bit-exact: positions as given (CACHE-3) or TurboQuant's
+        float32 decode (TQC-2); affine fetches are not (QKV-2)."""
         return "affine" not in self.ref.signature()
 
     def _converted(self) -> bool:
@@ -248,8 +252,9 @@ class CacheMachine(RuleBasedStateMachine):
         return getattr(self.ref, "head_dim", None) is not None
 
     def _rejects_nan(self) -> bool:
-        """Affine storage cannot hold NaN, nor can a bf16-first cache that will convert."""
-        return not self._dense() or isinstance(self.ref, reference.Bf16FirstCache)
+        """Only plain storage holds NaN; a bf16-first cache will convert (B16F-3)."""
+        plain = isinstance(self.ref, reference.KVCache | reference.RotatingKVCache)
+        return not plain or isinstance(self.ref, reference.Bf16FirstCache)
 
     @precondition(lambda self: isinstance(self.ref, reference.KVCache | reference.RotatingKVCache))
     @rule(bits=st.sampled_from([2, 3, 4, 5, 6, 8]), group_size=st.sampled_from([32, 64]))
@@ -268,6 +273,29 @@ class CacheMachine(RuleBasedStateMachine):
             self.factory = lambda m: m.RotatingQuantizedKVCache(max_size, group_size, bits, keep)
         else:
             self.factory = lambda m: m.QuantizedKVCache(group_size, bits)
+
+    @precondition(
+        lambda self: (
+            isinstance(self.ref, reference.KVCache)
+            and self.head_dim in turboquant.HEAD_DIMS
+            and self.v_dim == self.head_dim
+        )
+    )
+    @rule(
+        k_bits=st.sampled_from(turboquant.KEY_BITS),
+        v_bits=st.sampled_from(turboquant.VALUE_BITS),
+        kernels=st.sampled_from(KERNELS),
+    )
+    def convert_to_turboquant(self, k_bits, v_bits, kernels) -> None:
+        """TQC-3: from_kv_cache consumes its source, leaving it empty."""
+        sources = (self.ref, self.got)
+        self.ref = reference.TurboQuantKVCache.from_kv_cache(self.ref, k_bits, v_bits, kernels)
+        caches = self.backend.module("caches")
+        self.got = caches.TurboQuantKVCache.from_kv_cache(self.got, k_bits, v_bits, kernels)
+        for source in sources:
+            assert source.offset == 0 and source.state().arrays == ()
+            source.check_invariants()
+        self.factory = lambda m: m.TurboQuantKVCache(k_bits, v_bits, kernels)
 
     @invariant()
     def same_caches(self) -> None:

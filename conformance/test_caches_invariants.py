@@ -1,6 +1,6 @@
-"""Invariants stated across operations (CACHE-4, CACHE-5, RING-4, RING-5), on the backend:
-a span appended at once equals the span in pieces where the spec says so, and trimming
-then appending equals never having appended the trimmed positions."""
+"""Invariants stated across operations (CACHE-4, CACHE-5, RING-4, RING-5, TQC-1), on the
+backend: a span appended at once equals the span in pieces where the spec says so, and
+trimming then appending equals never having appended the trimmed positions."""
 
 from __future__ import annotations
 
@@ -11,21 +11,24 @@ from kvspec.conformance.cache_machine import random_kv
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference.dtypes import BFLOAT16
 
+# (factory, head_dim): TurboQuant takes no head_dim below 64 (TQ-1).
 growing = st.sampled_from(
     [
-        lambda m: m.KVCache(),
-        lambda m: m.QuantizedKVCache(32, 4),
-        lambda m: m.QuantizedKVCache(32, 6),
+        (lambda m: m.KVCache(), 32),
+        (lambda m: m.QuantizedKVCache(32, 4), 32),
+        (lambda m: m.QuantizedKVCache(32, 6), 32),
+        (lambda m: m.TurboQuantKVCache(4, 3), 64),
+        (lambda m: m.TurboQuantKVCache(8, 2, "deferred"), 64),
     ]
 )
 rings = st.sampled_from(
-    [lambda m: m.RotatingKVCache(32), lambda m: m.RotatingQuantizedKVCache(32, 32, 3)]
+    [(lambda m: m.RotatingKVCache(32), 32), (lambda m: m.RotatingQuantizedKVCache(32, 32, 3), 32)]
 )
 pieces = st.lists(st.integers(1, 5), min_size=1, max_size=5)
 
 
-def _span(seed: int, length: int):
-    return random_kv(seed, (1, 2, length, 32), 32, BFLOAT16)
+def _span(seed: int, length: int, head_dim: int = 32):
+    return random_kv(seed, (1, 2, length, head_dim), head_dim, BFLOAT16)
 
 
 def _fetch_equal(backend, a, b, what: str) -> None:
@@ -45,7 +48,8 @@ def _state_equal(backend, a, b, what: str) -> None:
 @given(make=growing, lengths=pieces, seed=st.integers(0, 2**32 - 1))
 def test_growing_span_at_once_equals_pieces(backend, make, lengths, seed) -> None:
     """CACHE-4: positions are encoded one by one, so the split does not matter."""
-    k, v = _span(seed, sum(lengths))
+    make, head_dim = make
+    k, v = _span(seed, sum(lengths), head_dim)
     caches = backend.module("caches")
     once, split = make(caches), make(caches)
     once.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
@@ -63,6 +67,7 @@ def test_growing_span_at_once_equals_pieces(backend, make, lengths, seed) -> Non
 def test_ring_span_at_once_equals_pieces_before_eviction(backend, make, lengths, seed) -> None:
     """RING-4: until max_size positions are held (here at most 25 of 32), the fetch does
     not depend on the split (the buffers may differ in unused length)."""
+    make, _ = make
     k, v = _span(seed, sum(lengths))
     caches = backend.module("caches")
     once, split = make(caches), make(caches)
@@ -89,8 +94,9 @@ def test_trim_then_append_equals_never_appended(backend, make, first, dropped, t
     """CACHE-5, RING-5: trimming what was appended last, then appending, reads as if the
     trimmed positions had never been appended."""
     caches = backend.module("caches")
-    a, b = _span(seed, first), _span(seed + 1, dropped)
-    c = _span(seed + 2, then)
+    make, head_dim = make
+    a, b = _span(seed, first, head_dim), _span(seed + 1, dropped, head_dim)
+    c = _span(seed + 2, then, head_dim)
     trimmed, direct = make(caches), make(caches)
     for cache, spans in ((trimmed, (a, b)), (direct, (a,))):
         for k, v in spans:

@@ -3,11 +3,11 @@ scheme names per layer, on the backend."""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import pytest
 
+from kvspec.conformance.cache_machine import random_kv
 from kvspec.reference.caches import scheme as reference_scheme
 from kvspec.reference.caches.scheme import (
     AffineLayer,
@@ -17,6 +17,7 @@ from kvspec.reference.caches.scheme import (
     TurboScheme,
     parse_scheme,
 )
+from kvspec.reference.dtypes import BFLOAT16
 
 
 @pytest.mark.parametrize(
@@ -31,6 +32,8 @@ from kvspec.reference.caches.scheme import (
         ),
         ("turbo:k8v4", TurboScheme(8, 4, 0)),
         ("turbo:k4v3:start=128", TurboScheme(4, 3, 128)),
+        ("turbo:k8v4:deferred", TurboScheme(8, 4, 0, "deferred")),
+        ("turbo:k5v2:dense:start=7", TurboScheme(5, 2, 7, "dense")),
     ],
 )
 def test_parse(text, expected) -> None:
@@ -52,6 +55,10 @@ def test_parse(text, expected) -> None:
         "affine-layers:0=4/64,0=8/64",
         "turbo:8:4",
         "turbo:k8",
+        "turbo:k6v4",
+        "turbo:k8v6",
+        "turbo:k8v4:fused",
+        "turbo:k8v4:deferred:dense",
     ],
 )
 def test_malformed_scheme_says_what_is_expected(text) -> None:
@@ -88,11 +95,20 @@ def test_turbo_sliding_layers_stay_plain_with_one_warning(backend, monkeypatch) 
     assert len([w for w in caught if "sliding-window layers stay bf16" in str(w.message)]) == 1
 
 
-def test_turbo_full_attention_needs_the_codec(backend) -> None:
-    """SCHEME-4: without the TurboQuant codec, a clear error."""
+@pytest.mark.parametrize("kernels", ["dense", "deferred"])
+def test_turbo_full_attention_layers_are_bf16_first_turboquant(backend, kernels) -> None:
+    """SCHEME-4: every full-attention layer, whatever its index, gets the bf16-first
+    TurboQuant cache of the scheme's widths, start and kernels; it converts as B16F-2 says."""
+    caches = backend.module("caches")
     compose = backend.module("caches.scheme")
-    codec = f"{backend.package}.turboquant"
-    if importlib.util.find_spec(codec) is not None:
-        pytest.skip(f"{codec} exists: the TurboQuant caches are tested with it")
-    with pytest.raises(ValueError, match="turbo caches need the TurboQuant codec"):
-        compose.composed_full_attention_cache(TurboScheme(8, 4), 0)
+    scheme = parse_scheme(f"turbo:k4v3:{kernels}:start=5")
+    for layer in (0, 3):
+        cache = compose.composed_full_attention_cache(scheme, layer)
+        assert isinstance(cache, caches.Bf16FirstTurboQuantKVCache)
+        assert (cache.k_bits, cache.v_bits, cache.start, cache.kernels) == (4, 3, 5, kernels)
+    k, v = random_kv(0, (1, 2, 6, 64), 64, BFLOAT16)
+    cache.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    assert cache.converted and isinstance(cache.storage, caches.TurboQuantKVCache)
+    assert cache.storage.kernels == kernels
+    assert cache.signature() == "kv:bf16-first:kv:turboquant:4:3"
+    assert cache.minimum_reusable_offset == 6

@@ -2,11 +2,15 @@
 
 Runs every codec configuration on both backends and prints one table per codec:
 per configuration, how many stored elements differ (zero is the only passing
-answer), the largest read error, and the bits stored per value. Exits 1 when any
-stored field differs.
+answer), the largest read error, and the bits stored per value. Then a scripted
+cache session per KV scheme and layer kind (prefill, decode, trim, decode), run
+step by step on both backends: the first stored divergence (step, array, index,
+both values) or none, the offset, bytes per token and the largest read error over
+its bound. Exits 1 when any stored field differs.
 
     python tools/compare.py                       # the default random workload
     python tools/compare.py --input kv.safetensors --bits 4 8
+    python tools/compare.py --schemes turbo:k4v3 affine:4:64:start=16
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ import mlx.core as mx
 import numpy as np
 
 from kvspec.accelerated import affine as accelerated_affine
+from kvspec.accelerated import caches as accelerated_caches
 from kvspec.accelerated import turboquant as accelerated_turboquant
 from kvspec.accelerated.dtypes import from_numpy, to_numpy
-from kvspec.conformance.bounds import affine_read_bound
-from kvspec.conformance.compare import mismatches
+from kvspec.conformance.bounds import affine_read_bound, read_bound
+from kvspec.conformance.compare import bit_view, mismatches
 from kvspec.reference import affine as reference_affine
+from kvspec.reference import caches as reference_caches
 from kvspec.reference import turboquant as reference_turboquant
-from kvspec.reference.dtypes import FLOAT_DTYPES
+from kvspec.reference.dtypes import BFLOAT16, FLOAT_DTYPES
 
 
 @dataclass
@@ -208,6 +214,112 @@ def turboquant_table(
     return table
 
 
+AFFINE_FIELDS = ("k_words", "k_scales", "k_biases", "v_words", "v_scales", "v_biases")
+
+#: State slot names by storage kind (CACHE-8, RING-6, TQC-5).
+SLOT_NAMES = {
+    "kv": ("keys", "values"),
+    "kv:rotating": ("keys", "values"),
+    "kv:affine": AFFINE_FIELDS,
+    "kv:rotating-affine": AFFINE_FIELDS,
+    "kv:turboquant": TURBOQUANT_FIELDS,
+}
+
+DEFAULT_SCHEMES = (
+    "bf16",
+    "affine:4:64",
+    "affine:8:32:start=40",
+    "turbo:k8v4",
+    "turbo:k8v4:deferred",
+)
+
+#: The scripted session: prefill 37 positions, 6 decodes, trim 3, 28 decodes. The start of
+#: 40 above falls on a decode; the 64-position window wraps in the last decodes.
+SESSION = (("window", 37), *(("decode", 1),) * 6, ("trim", 3), *(("decode", 1),) * 28)
+SLIDING_WINDOW = 64
+
+
+def slot_names(signature: str) -> tuple[str, ...]:
+    """Names of a state's arrays, from its signature (parameters dropped)."""
+    storage = signature.removeprefix("kv:bf16-first:")
+    return SLOT_NAMES[":".join(part for part in storage.split(":") if not part.isdigit())]
+
+
+def state_divergence(expected: reference_caches.Cache, actual: accelerated_caches.Cache) -> str:
+    """ "" when both caches hold the same state bit for bit (CACHE-8), else the first
+    difference: signature, offset, ring index, or array, index and both values."""
+    want, got = expected.state(), actual.state()
+    for what in ("signature", "offset", "ring_index", "minimum_reusable_offset"):
+        if getattr(got, what) != getattr(want, what):
+            return f"{what} {getattr(want, what)} != {getattr(got, what)}"
+    names = slot_names(want.signature)
+    for name, e, a in zip(names, want.arrays, got.arrays, strict=True):
+        a = to_numpy(a)
+        if a.shape != e.shape or a.dtype != e.dtype:
+            return f"{name}: {e.dtype}{list(e.shape)} != {a.dtype}{list(a.shape)}"
+        differ = np.argwhere(bit_view(a) != bit_view(e))
+        if differ.size:
+            index = tuple(int(i) for i in differ[0])
+            return f"{name}{list(index)}: {e[index]!r} != {a[index]!r}"
+    return ""
+
+
+def cache_session_row(
+    scheme_text: str, layer: str, session: Sequence[tuple[str, int]], seed: int
+) -> tuple[list[str], bool]:
+    """Run `session` on the reference and the MLX cache `scheme_text` names for a `layer`
+    ("full" or "sliding") layer; the row and whether a stored field diverged."""
+    scheme = reference_caches.parse_scheme(scheme_text)
+    if layer == "full":
+        ref = reference_caches.composed_full_attention_cache(scheme, 0)
+        got = accelerated_caches.composed_full_attention_cache(scheme, 0)
+    else:
+        ref = reference_caches.composed_sliding_attention_cache(scheme, 0, SLIDING_WINDOW)
+        got = accelerated_caches.composed_sliding_attention_cache(scheme, 0, SLIDING_WINDOW)
+    rng = np.random.default_rng(seed)
+    divergence, worst = "none", 0.0
+    for step, (op, length) in enumerate(session):
+        if op == "trim":
+            ref.trim(length)
+            got.trim(length)
+        else:
+            k, v, q = (
+                rng.standard_normal((1, heads, length, 128)).astype(BFLOAT16) for heads in (2, 2, 4)
+            )
+            method = "append_window" if op == "window" else "append_decode"
+            expected = getattr(ref, method)(k, v)
+            actual = getattr(got, method)(from_numpy(k), from_numpy(v))
+            scale = 128**-0.5
+            want = expected.attend(q, scale).astype(np.float64)
+            error = np.abs(to_numpy(actual.attend(from_numpy(q), scale)).astype(np.float64) - want)
+            worst = max(worst, float(np.max(error / read_bound(q, expected, scale))))
+        difference = state_divergence(ref, got)
+        if difference:
+            divergence = f"step {step} ({op}): {difference}"
+            break
+    row = [scheme_text, layer, ref.signature(), str(ref.offset), str(ref.bytes_per_token())]
+    return [*row, f"{worst:.3f}", divergence], divergence != "none"
+
+
+def cache_table(schemes: Sequence[str], seed: int) -> Table:
+    """The scripted session per scheme and layer kind on both backends (CACHE-8, READ-1,
+    B16F-2, TQC-4); turbo has no sliding row (its sliding layers are plain, SCHEME-4)."""
+    table = Table(
+        "caches: scripted session, reference vs accelerated",
+        [
+            *("scheme", "layer", "signature", "offset", "bytes/token"),
+            *("read err/bound", "first stored divergence"),
+        ],
+    )
+    for scheme_text in schemes:
+        turbo = isinstance(reference_caches.parse_scheme(scheme_text), reference_caches.TurboScheme)
+        for layer in ("full",) if turbo else ("full", "sliding"):
+            row, diverged = cache_session_row(scheme_text, layer, SESSION, seed)
+            table.rows.append(row)
+            table.differs |= diverged
+    return table
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", type=Path, help=".npy or .safetensors file of arrays to encode")
@@ -237,6 +349,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=sorted(FLOAT_DTYPES),
         default=["float32", "float16", "bfloat16"],
     )
+    parser.add_argument(
+        "--schemes",
+        nargs="+",
+        default=list(DEFAULT_SCHEMES),
+        help="KV schemes of the cache session (SCHEME-2 strings)",
+    )
     return parser.parse_args(argv)
 
 
@@ -251,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables = [
         affine_table(arrays, args.bits, args.group_sizes, args.dtypes),
         turboquant_table(pairs, args.k_bits, args.v_bits, args.dtypes),
+        cache_table(args.schemes, args.seed),
     ]
     for table in tables:
         print()

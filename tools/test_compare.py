@@ -44,3 +44,44 @@ def test_turboquant_rows_on_a_small_workload() -> None:
         assert row[5:10] == ["0"] * 5
         assert 0 < float(row[11]) < 0.04  # 3-bit values
     assert [r[-1] for r in table.rows] == ["4.250", "6.250"]  # (k_bits + 1 + 3 + 0.5) / 2
+
+
+def test_cache_sessions_agree() -> None:
+    table = compare.cache_table(["bf16", "affine:4:64", "turbo:k4v3:deferred"], seed=1)
+    assert not table.differs
+    assert [row[:2] for row in table.rows] == [
+        ["bf16", "full"],
+        ["bf16", "sliding"],
+        ["affine:4:64", "full"],
+        ["affine:4:64", "sliding"],
+        ["turbo:k4v3:deferred", "full"],
+    ]
+    for row in table.rows:
+        assert row[3] == "68" and row[-1] == "none"
+        assert float(row[5]) <= 1.0
+    # Per position, 2 heads of D = 128: bf16 keys and values (2 * 256 each); 4-bit words
+    # (64) and bf16 scales and biases per 64 (8) for each; TurboQuant k4: 64 bytes of codes
+    # and 2 float16 per 32 (16), v3: 48 bytes and 1 float16 per 32 (8).
+    assert [row[4] for row in table.rows] == ["1024", "1024", "288", "288", "272"]
+
+
+def test_a_flipped_cache_bit_is_reported_with_its_step(monkeypatch, capsys) -> None:
+    """The affine cache with start 40 converts on the third decode (step 3): a flipped bit in
+    what the backend's QuantizedKVCache encodes shows there, and compare.py exits 1."""
+    cache_class = compare.accelerated_caches.QuantizedKVCache
+    real = cache_class._encode
+
+    def flipped(self, k, v):
+        *fields, v_biases = real(self, k, v)
+        fields[3] = fields[3] ^ 4
+        return (*fields, v_biases)
+
+    monkeypatch.setattr(cache_class, "_encode", flipped)
+    table = compare.cache_table(["affine:8:32:start=40"], seed=0)
+    assert table.differs
+    full, sliding = table.rows
+    assert full[-1].startswith("step 3 (decode): v_words[0, 0, 0, 0]: ")
+    assert sliding[-1] == "none"
+    args = ["--bits", "8", "--group-sizes", "32", "--k-bits", "8", "--v-bits", "4"]
+    assert compare.main([*args, "--dtypes", "float32", "--schemes", "affine:4:64"]) == 1
+    assert "stored fields differ in: caches" in capsys.readouterr().out

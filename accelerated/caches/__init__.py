@@ -2,8 +2,8 @@
 
 Modules, bottom up: protocol (the reference's Cache ABC and CacheState), masks,
 attention (mx.fast.scaled_dot_product_attention), reads, kv (growable storage, KVCache),
-quantized, rotating (the ring, RotatingKVCache), rotating_quantized, bf16_first, scheme
-(composition).
+quantized, rotating (the ring, RotatingKVCache), rotating_quantized, turboquant
+(TurboQuantKVCache), bf16_first, scheme (composition).
 """
 
 from kvspec.accelerated.caches.bf16_first import (
@@ -11,6 +11,7 @@ from kvspec.accelerated.caches.bf16_first import (
     Bf16FirstKv4Head256Cache,
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,
+    Bf16FirstTurboQuantKVCache,
     transition_due,
 )
 from kvspec.accelerated.caches.kv import STEP, KVCache
@@ -29,6 +30,7 @@ from kvspec.accelerated.caches.scheme import (
     composed_sliding_attention_cache,
     parse_scheme,
 )
+from kvspec.accelerated.caches.turboquant import TurboQuantKVCache
 
 __all__ = [
     "STEP",
@@ -39,6 +41,7 @@ __all__ = [
     "Bf16FirstKv4Head256Cache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
     "Bf16Scheme",
     "Cache",
     "CacheState",
@@ -48,6 +51,7 @@ __all__ = [
     "QuantizedKVCache",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "TurboQuantKVCache",
     "TurboScheme",
     "composed_full_attention_cache",
     "composed_sliding_attention_cache",

@@ -28,6 +28,9 @@ def attention(
         )
     if Hq % Hk != 0:
         raise ValueError(f"query heads {Hq} are not a multiple of key heads {Hk}")
+    if keys.dtype == mx.float32:
+        # Float32 keys (TurboQuant's reads, TQC-2): widening the queries is exact.
+        queries = queries.astype(mx.float32)
     if queries.dtype != keys.dtype:
         raise ValueError(f"queries are {queries.dtype}, keys {keys.dtype}: use one dtype")
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

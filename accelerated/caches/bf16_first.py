@@ -11,13 +11,16 @@ from kvspec.accelerated.caches.quantized import QuantizedKVCache, check_affine_p
 from kvspec.accelerated.caches.reads import PositionwiseRead
 from kvspec.accelerated.caches.rotating import RotatingKVCache
 from kvspec.accelerated.caches.rotating_quantized import RotatingQuantizedKVCache
+from kvspec.accelerated.caches.turboquant import TurboQuantKVCache
 from kvspec.reference.caches.bf16_first import Bf16FirstCache, transition_due
+from kvspec.reference.caches.turboquant import check_turboquant_parameters
 
 __all__ = [
     "Bf16FirstCache",
     "Bf16FirstKv4Head256Cache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
     "transition_due",
 ]
 
@@ -78,3 +81,25 @@ class Bf16FirstKv4Head256Cache(Bf16FirstQuantizedKVCache):
 
     def __init__(self, start: int) -> None:
         super().__init__(64, 4, start)
+
+
+class Bf16FirstTurboQuantKVCache(Bf16FirstCache[mx.array]):
+    """KVCache, then TurboQuantKVCache(k_bits, v_bits, kernels) (B16F-2): the cache the turbo
+    scheme composes for full-attention layers (SCHEME-4)."""
+
+    def __init__(self, k_bits: int, v_bits: int, start: int, kernels: str = "dense") -> None:
+        check_turboquant_parameters(k_bits, v_bits, kernels)
+        self.k_bits = k_bits
+        self.v_bits = v_bits
+        self.kernels = kernels
+        super().__init__(start)
+
+    def _new_plain(self) -> KVCache:
+        return KVCache()
+
+    def _new_converted(self) -> TurboQuantKVCache:
+        return TurboQuantKVCache(self.k_bits, self.v_bits, self.kernels)
+
+    def _convert(self, plain: Cache[mx.array]) -> TurboQuantKVCache:
+        assert isinstance(plain, KVCache)
+        return TurboQuantKVCache.from_kv_cache(plain, self.k_bits, self.v_bits, self.kernels)

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.masks import create_causal_mask
-from kvspec.accelerated.caches.protocol import Cache, Mask
+from kvspec.accelerated.caches.protocol import Cache, Mask, Read
 
 
 @dataclass(frozen=True)
@@ -40,24 +40,22 @@ class PositionwiseRead:
         )
 
 
-def append_decode(cache: Cache, k: mx.array, v: mx.array) -> DenseRead:
+def append_decode(cache: ReadMethods, k: mx.array, v: mx.array) -> Read:
     """READ-2."""
     cache.check_append(k, v)
     if k.shape[2] != 1:
         raise ValueError(f"a decode appends one position, got {k.shape[2]}")
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, None)
+    return cache.append_and_read(k, v, None)
 
 
-def append_window(cache: Cache, k: mx.array, v: mx.array) -> DenseRead:
+def append_window(cache: ReadMethods, k: mx.array, v: mx.array) -> Read:
     """READ-3."""
     cache.check_append(k, v)
     mask = cache.make_mask(k.shape[2], None)
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, mask)
+    return cache.append_and_read(k, v, mask)
 
 
-def read_block(cache: Cache, k: mx.array, v: mx.array) -> DenseRead:
+def read_block(cache: ReadMethods, k: mx.array, v: mx.array) -> DenseRead:
     """READ-5."""
     cache.check_append(k, v)
     stored = cache.keys_and_values()
@@ -69,7 +67,7 @@ def read_block(cache: Cache, k: mx.array, v: mx.array) -> DenseRead:
 
 
 def check_first_window(
-    cache: Cache, k: mx.array, v: mx.array, bidirectional: mx.array, read: str
+    cache: ReadMethods, k: mx.array, v: mx.array, bidirectional: mx.array, read: str
 ) -> None:
     """READ-6."""
     cache.check_append(k, v)
@@ -87,49 +85,53 @@ def check_first_window(
 
 
 def append_bidirectional(
-    cache: Cache, k: mx.array, v: mx.array, bidirectional: mx.array
-) -> DenseRead:
+    cache: ReadMethods, k: mx.array, v: mx.array, bidirectional: mx.array
+) -> Read:
     """READ-6."""
     check_first_window(cache, k, v, bidirectional, "append_bidirectional")
     mask = create_causal_mask(k.shape[2], 0, cache.sliding_window) | bidirectional
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, mask)
+    return cache.append_and_read(k, v, mask)
 
 
 def append_encoder_window(
-    cache: Cache, k: mx.array, v: mx.array, bidirectional: mx.array
-) -> DenseRead:
+    cache: ReadMethods, k: mx.array, v: mx.array, bidirectional: mx.array
+) -> Read:
     """READ-6."""
     check_first_window(cache, k, v, bidirectional, "append_encoder_window")
     if not mx.all(mx.any(bidirectional, axis=-1)).item():
         raise ValueError("an encoder window's query sees no key under `bidirectional`")
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, bidirectional)
+    return cache.append_and_read(k, v, bidirectional)
 
 
-class ReadMethods:
+class ReadMethods(Cache[mx.array]):
     """The reads of a storage cache as methods (READ-2 .. READ-6)."""
 
-    def append_decode(self, k: mx.array, v: mx.array) -> DenseRead:
+    def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
+        """Append, then what attention sees of the fetched window under `mask` (READ-1).
+        TurboQuant's deferred kernels read rotated values instead (TQC-4)."""
+        keys, values = self.update_and_fetch(k, v)
+        return DenseRead(keys, values, mask)
+
+    def append_decode(self, k: mx.array, v: mx.array) -> Read:
         """READ-2."""
         return append_decode(self, k, v)
 
-    def append_window(self, k: mx.array, v: mx.array) -> DenseRead:
+    def append_window(self, k: mx.array, v: mx.array) -> Read:
         """READ-3."""
         return append_window(self, k, v)
 
-    def append_committed(self, k: mx.array, v: mx.array) -> DenseRead:
+    def append_committed(self, k: mx.array, v: mx.array) -> Read:
         """READ-4."""
         return append_window(self, k, v)
 
-    def read_block(self, k: mx.array, v: mx.array) -> DenseRead:
+    def read_block(self, k: mx.array, v: mx.array) -> Read:
         """READ-5."""
         return read_block(self, k, v)
 
-    def append_bidirectional(self, k: mx.array, v: mx.array, bidirectional: mx.array) -> DenseRead:
+    def append_bidirectional(self, k: mx.array, v: mx.array, bidirectional: mx.array) -> Read:
         """READ-6."""
         return append_bidirectional(self, k, v, bidirectional)
 
-    def append_encoder_window(self, k: mx.array, v: mx.array, bidirectional: mx.array) -> DenseRead:
+    def append_encoder_window(self, k: mx.array, v: mx.array, bidirectional: mx.array) -> Read:
         """READ-6."""
         return append_encoder_window(self, k, v, bidirectional)

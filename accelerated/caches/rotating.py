@@ -235,7 +235,7 @@ class RingStorage(ReadMethods, Cache[mx.array]):
         self._fields = fields
         self._layout = layout
 
-    def _reset(self) -> None:
+    def release(self) -> None:
         """Back to the constructed state: what a consumed source is left as (CACHE-9)."""
         self._fields = None
         self._layout = None
@@ -294,5 +294,5 @@ class RotatingKVCache(RingStorage):
         target.offset = self.offset
         target._index = self._index
         target.minimum_reusable_offset = self.minimum_reusable_offset
-        self._reset()
+        self.release()
         return target

@@ -2,7 +2,8 @@
 
 Modules, bottom up: protocol (the Cache ABC, CacheState), masks, attention (the reference
 attention), reads, kv (growable storage, KVCache), quantized, rotating (the ring,
-RotatingKVCache), rotating_quantized, bf16_first, scheme (composition).
+RotatingKVCache), rotating_quantized, turboquant (TurboQuantKVCache), bf16_first, scheme
+(composition).
 """
 
 from kvspec.reference.caches.bf16_first import (
@@ -10,6 +11,7 @@ from kvspec.reference.caches.bf16_first import (
     Bf16FirstKv4Head256Cache,
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,
+    Bf16FirstTurboQuantKVCache,
     transition_due,
 )
 from kvspec.reference.caches.kv import STEP, KVCache
@@ -28,6 +30,7 @@ from kvspec.reference.caches.scheme import (
     composed_sliding_attention_cache,
     parse_scheme,
 )
+from kvspec.reference.caches.turboquant import TurboQuantKVCache
 
 __all__ = [
     "STEP",
@@ -38,6 +41,7 @@ __all__ = [
     "Bf16FirstKv4Head256Cache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
     "Bf16Scheme",
     "Cache",
     "CacheState",
@@ -47,6 +51,7 @@ __all__ = [
     "QuantizedKVCache",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "TurboQuantKVCache",
     "TurboScheme",
     "composed_full_attention_cache",
     "composed_sliding_attention_cache",

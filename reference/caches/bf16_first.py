@@ -19,6 +19,7 @@ from kvspec.reference.caches.quantized import QuantizedKVCache, check_affine_par
 from kvspec.reference.caches.reads import PositionwiseRead
 from kvspec.reference.caches.rotating import RotatingKVCache
 from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
+from kvspec.reference.caches.turboquant import TurboQuantKVCache, check_turboquant_parameters
 
 
 def transition_due(offset: int, start: int) -> bool:
@@ -305,3 +306,25 @@ class Bf16FirstKv4Head256Cache(Bf16FirstQuantizedKVCache):
 
     def __init__(self, start: int) -> None:
         super().__init__(64, 4, start)
+
+
+class Bf16FirstTurboQuantKVCache(Bf16FirstCache):
+    """KVCache, then TurboQuantKVCache(k_bits, v_bits, kernels) (B16F-2): the cache the turbo
+    scheme composes for full-attention layers (SCHEME-4)."""
+
+    def __init__(self, k_bits: int, v_bits: int, start: int, kernels: str = "dense") -> None:
+        check_turboquant_parameters(k_bits, v_bits, kernels)
+        self.k_bits = k_bits
+        self.v_bits = v_bits
+        self.kernels = kernels
+        super().__init__(start)
+
+    def _new_plain(self) -> KVCache:
+        return KVCache()
+
+    def _new_converted(self) -> TurboQuantKVCache:
+        return TurboQuantKVCache(self.k_bits, self.v_bits, self.kernels)
+
+    def _convert(self, plain: Cache[np.ndarray]) -> TurboQuantKVCache:
+        assert isinstance(plain, KVCache)
+        return TurboQuantKVCache.from_kv_cache(plain, self.k_bits, self.v_bits, self.kernels)

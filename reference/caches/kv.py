@@ -73,8 +73,12 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
         """Positions the buffers hold room for (CACHE-3)."""
         return 0 if self._fields is None else self._fields[0].shape[2]
 
+    def _append_layout(self, k: np.ndarray, v: np.ndarray) -> KvLayout:
+        """The layout an append of `k`, `v` fixes (CACHE-2)."""
+        return kv_layout(k, v, dtype_name(k.dtype))[0]
+
     def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
-        layout, _ = kv_layout(k, v, dtype_name(k.dtype))
+        layout = self._append_layout(k, v)
         require_same_layout(self._layout, layout)
         return layout, self._encode(k, v)
 
@@ -85,6 +89,11 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
     def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write the new positions at the offset, growing first if needed, and return
         positions 0..offset-1 decoded (CACHE-3)."""
+        self._append(k, v)
+        return self._decode(self._live())
+
+    def _append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """CACHE-3 steps 1 .. 3 but the fetch."""
         layout, new = self._checked(k, v)
         L = k.shape[2]
         prev = self.offset
@@ -94,7 +103,6 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
             field[:, :, prev : prev + L] = part
         self.offset = prev + L
         self._layout = layout
-        return self._decode(self._live())
 
     def _grown(self, new: Fields, prev: int, L: int) -> Fields:
         # mlx-lm's rule: whole steps covering L; a buffer whose offset is not on a step
@@ -172,7 +180,7 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
         self._fields = fields
         self._layout = layout
 
-    def _reset(self) -> None:
+    def release(self) -> None:
         """Back to the constructed state: what a consumed source is left as (CACHE-9)."""
         self._fields = None
         self._layout = None
@@ -221,5 +229,5 @@ class KVCache(GrowingStorage):
             target.adopt(target._encode(*window), self._layout)
         target.offset = self.offset
         target.minimum_reusable_offset = self.minimum_reusable_offset
-        self._reset()
+        self.release()
         return target

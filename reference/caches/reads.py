@@ -13,7 +13,7 @@ import numpy as np
 
 from kvspec.reference.caches.attention import attention
 from kvspec.reference.caches.masks import create_causal_mask
-from kvspec.reference.caches.protocol import Cache, Mask
+from kvspec.reference.caches.protocol import Cache, Mask, Read
 
 
 @dataclass(frozen=True)
@@ -45,25 +45,23 @@ class PositionwiseRead:
         return np.concatenate(outputs, axis=2)
 
 
-def append_decode(cache: Cache, k: np.ndarray, v: np.ndarray) -> DenseRead:
+def append_decode(cache: ReadMethods, k: np.ndarray, v: np.ndarray) -> Read:
     """Append one position; its query sees the whole fetched window, no mask (READ-2)."""
     cache.check_append(k, v)
     if k.shape[2] != 1:
         raise ValueError(f"a decode appends one position, got {k.shape[2]}")
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, None)
+    return cache.append_and_read(k, v, None)
 
 
-def append_window(cache: Cache, k: np.ndarray, v: np.ndarray) -> DenseRead:
+def append_window(cache: ReadMethods, k: np.ndarray, v: np.ndarray) -> Read:
     """Append L positions; causal, and windowed on a ring (READ-3). The mask is the cache's
     `make_mask(L, None)` taken before the append (MASK-2, MASK-3)."""
     cache.check_append(k, v)
     mask = cache.make_mask(k.shape[2], None)
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, mask)
+    return cache.append_and_read(k, v, mask)
 
 
-def read_block(cache: Cache, k: np.ndarray, v: np.ndarray) -> DenseRead:
+def read_block(cache: ReadMethods, k: np.ndarray, v: np.ndarray) -> DenseRead:
     """The stored window followed by a block that is not appended, no mask (READ-5)."""
     cache.check_append(k, v)
     stored = cache.keys_and_values()
@@ -75,7 +73,7 @@ def read_block(cache: Cache, k: np.ndarray, v: np.ndarray) -> DenseRead:
 
 
 def check_first_window(
-    cache: Cache, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray, read: str
+    cache: ReadMethods, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray, read: str
 ) -> None:
     """Reject a first-window read on a cache that holds positions, or a malformed
     bidirectional mask, before anything is appended (READ-6)."""
@@ -94,56 +92,58 @@ def check_first_window(
 
 
 def append_bidirectional(
-    cache: Cache, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-) -> DenseRead:
+    cache: ReadMethods, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
+) -> Read:
     """The first window, causal (windowed on a ring) or marked in `bidirectional` [L, L]
     (READ-6)."""
     check_first_window(cache, k, v, bidirectional, "append_bidirectional")
     causal = create_causal_mask(k.shape[2], 0, cache.sliding_window)
     mask = causal | bidirectional
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, mask)
+    return cache.append_and_read(k, v, mask)
 
 
 def append_encoder_window(
-    cache: Cache, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-) -> DenseRead:
+    cache: ReadMethods, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
+) -> Read:
     """The first window, each query seeing exactly the keys `bidirectional` [L, L] marks
     (READ-6); every query must see at least one key."""
     check_first_window(cache, k, v, bidirectional, "append_encoder_window")
     if not np.all(np.any(bidirectional, axis=-1)):
         raise ValueError("an encoder window's query sees no key under `bidirectional`")
-    keys, values = cache.update_and_fetch(k, v)
-    return DenseRead(keys, values, bidirectional)
+    return cache.append_and_read(k, v, bidirectional)
 
 
-class ReadMethods:
+class ReadMethods(Cache[np.ndarray]):
     """The reads of a storage cache as methods (READ-2 .. READ-6)."""
 
-    def append_decode(self, k: np.ndarray, v: np.ndarray) -> DenseRead:
+    def append_and_read(self, k: np.ndarray, v: np.ndarray, mask: Mask) -> Read:
+        """Append, then what attention sees of the fetched window under `mask` (READ-1).
+        TurboQuant's deferred kernels read rotated values instead (TQC-4)."""
+        keys, values = self.update_and_fetch(k, v)
+        return DenseRead(keys, values, mask)
+
+    def append_decode(self, k: np.ndarray, v: np.ndarray) -> Read:
         """READ-2."""
         return append_decode(self, k, v)
 
-    def append_window(self, k: np.ndarray, v: np.ndarray) -> DenseRead:
+    def append_window(self, k: np.ndarray, v: np.ndarray) -> Read:
         """READ-3."""
         return append_window(self, k, v)
 
-    def append_committed(self, k: np.ndarray, v: np.ndarray) -> DenseRead:
+    def append_committed(self, k: np.ndarray, v: np.ndarray) -> Read:
         """READ-4: on storage caches, the window read."""
         return append_window(self, k, v)
 
-    def read_block(self, k: np.ndarray, v: np.ndarray) -> DenseRead:
+    def read_block(self, k: np.ndarray, v: np.ndarray) -> Read:
         """READ-5."""
         return read_block(self, k, v)
 
-    def append_bidirectional(
-        self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-    ) -> DenseRead:
+    def append_bidirectional(self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray) -> Read:
         """READ-6."""
         return append_bidirectional(self, k, v, bidirectional)
 
     def append_encoder_window(
         self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-    ) -> DenseRead:
+    ) -> Read:
         """READ-6."""
         return append_encoder_window(self, k, v, bidirectional)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvspec.reference import affine
+from kvspec.reference import affine, turboquant
+from kvspec.reference.caches.turboquant import KERNELS
 
 
 @dataclass(frozen=True)
@@ -45,18 +45,20 @@ class AffineLayersScheme:
 
 @dataclass(frozen=True)
 class TurboScheme:
-    """Full-attention layers bf16-first TurboQuant, sliding layers plain (SCHEME-1)."""
+    """Full-attention layers bf16-first TurboQuant read with `kernels`, sliding layers plain
+    (SCHEME-1)."""
 
     k_bits: int
     v_bits: int
     quantized_kv_start: int = 0
+    kernels: str = "dense"
 
 
 KvStorageScheme = Bf16Scheme | AffineScheme | AffineLayersScheme | TurboScheme
 
 GRAMMAR = (
-    "bf16 | affine:BITS:GROUP | affine-layers:LAYER=BITS/GROUP,... | turbo:kBITSvBITS, "
-    "each but bf16 optionally followed by :start=N"
+    "bf16 | affine:BITS:GROUP | affine-layers:LAYER=BITS/GROUP,... | "
+    "turbo:kBITSvBITS[:dense|:deferred], each but bf16 optionally followed by :start=N"
 )
 
 
@@ -75,7 +77,7 @@ def _affine_widths(text: str, bits: int, group_size: int) -> None:
 
 def parse_scheme(text: str) -> KvStorageScheme:
     """A scheme from its short form (SCHEME-2), e.g. "bf16", "affine:4:64",
-    "affine:4:64:start=256", "affine-layers:0=4/64,5=8/32", "turbo:k8v4:start=128"."""
+    "affine:4:64:start=256", "affine-layers:0=4/64,5=8/32", "turbo:k8v4:deferred:start=128"."""
     parts = text.strip().split(":")
     start = 0
     if len(parts) > 1 and parts[-1].startswith("start="):
@@ -104,12 +106,21 @@ def parse_scheme(text: str) -> KvStorageScheme:
         if len({entry.layer for entry in layers}) != len(layers):
             raise _malformed(text, "a layer is listed twice")
         return AffineLayersScheme(tuple(layers), start)
-    if kind == "turbo" and len(args) == 1:
+    if kind == "turbo" and len(args) in (1, 2):
         match = re.fullmatch(r"k(\d)v(\d)", args[0])
         if match is None:
             raise _malformed(text, f"{args[0]!r} is not kBITSvBITS")
         k_bits, v_bits = (int(g) for g in match.groups())
-        return TurboScheme(k_bits, v_bits, start)
+        if k_bits not in turboquant.KEY_BITS or v_bits not in turboquant.VALUE_BITS:
+            raise _malformed(
+                text,
+                f"key bits must be one of {turboquant.KEY_BITS} and value bits one of "
+                f"{turboquant.VALUE_BITS}, got k{k_bits}v{v_bits}",
+            )
+        kernels = args[1] if len(args) == 2 else "dense"
+        if kernels not in KERNELS:
+            raise _malformed(text, f"kernels must be one of {KERNELS}, got {kernels!r}")
+        return TurboScheme(k_bits, v_bits, start, kernels)
     raise _malformed(text, "unknown kind or wrong number of fields")
 
 
@@ -122,26 +133,13 @@ def _affine_entry(scheme: KvStorageScheme, layer: int) -> AffineLayer | None:
     return None
 
 
-#: TurboQuant caches plug in here: the name of the bf16-first TurboQuant cache class that
-#: each backend's `caches` package exports once the codec exists (SCHEME-4).
-TURBO_FULL_ATTENTION_CACHE = "Bf16FirstTurboQuantKVCache"
-
-
-def _turbo_full_attention_cache(scheme: TurboScheme, family: ModuleType) -> Any:
-    """SCHEME-4: the single place a TurboQuant cache is constructed."""
-    backend_package = family.__name__.rsplit(".", 1)[0]
-    if importlib.util.find_spec(f"{backend_package}.turboquant") is None:
-        raise ValueError("turbo caches need the TurboQuant codec")
-    cache_class = getattr(family, TURBO_FULL_ATTENTION_CACHE, None)
-    if cache_class is None:
-        raise ValueError(f"turbo caches need {family.__name__}.{TURBO_FULL_ATTENTION_CACHE}")
-    return cache_class(scheme.k_bits, scheme.v_bits, scheme.quantized_kv_start)
-
-
 def full_attention_cache(scheme: KvStorageScheme, layer: int, family: ModuleType) -> Any:
-    """SCHEME-3 over a backend's `caches` package `family` (both backends' composers)."""
+    """SCHEME-3 over a backend's `caches` package `family` (both backends' composers); turbo
+    layers as SCHEME-4 says."""
     if isinstance(scheme, TurboScheme):
-        return _turbo_full_attention_cache(scheme, family)
+        return family.Bf16FirstTurboQuantKVCache(
+            scheme.k_bits, scheme.v_bits, scheme.quantized_kv_start, scheme.kernels
+        )
     entry = _affine_entry(scheme, layer)
     if entry is None:
         return family.KVCache()
