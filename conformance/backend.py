@@ -26,12 +26,15 @@ class Backend:
     package: dotted package whose submodules mirror kvspec.reference's.
     to_numpy: a backend array to a NumPy array holding the same bits.
     from_numpy: a NumPy array to a backend array holding the same bits.
+    attention_roundoff: the unit roundoff of the products and sums of the backend's
+        attention on float32 operands (READ-1): 2^-24 for IEEE float32.
     """
 
     name: str
     package: str
     to_numpy: Callable[[Any], np.ndarray]
     from_numpy: Callable[[np.ndarray], Any]
+    attention_roundoff: float = 2.0**-24
 
     def module(self, name: str) -> ModuleType:
         """The backend's twin of `kvspec.reference.<name>`."""
@@ -50,6 +53,7 @@ def reference_backend() -> Backend:
 
 def accelerated_backend() -> Backend:
     """The MLX backend, on MLX's default device."""
+    from kvspec.accelerated.caches.attention import attention_roundoff
     from kvspec.accelerated.dtypes import from_numpy, to_numpy
 
     return Backend(
@@ -57,6 +61,7 @@ def accelerated_backend() -> Backend:
         package="kvspec.accelerated",
         to_numpy=to_numpy,
         from_numpy=from_numpy,
+        attention_roundoff=attention_roundoff(),
     )
 
 

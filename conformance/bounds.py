@@ -71,7 +71,11 @@ FLOAT32_ROUNDOFF = 2.0**-24
 
 
 def attention_bound(
-    queries: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float
+    queries: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    scale: float,
+    roundoff: float = FLOAT32_ROUNDOFF,
 ) -> np.ndarray:
     """Per-output bound on |backend attention - reference attention| (READ-1), float64,
     broadcastable to [B, Hq, N, Dv].
@@ -82,6 +86,9 @@ def attention_bound(
     softmax weights then move by at most expm1(2e) in l1, the weights and the output are
     rounded once each and the output accumulated in float32:
     bound = max_j |v_j| * (expm1(2e) + 4u + (T + 2) 2^-24).
+    `roundoff` replaces 2^-24 for a backend whose attention multiplies and adds with less
+    precision (READ-1: MLX's CUDA attention rounds float32 operands to TF32, 2^-11); the
+    operands' own rounding to it adds 2 roundoff to each product.
     """
     u = unit_roundoff(keys.dtype)
     B, Hq, N, D = queries.shape
@@ -90,14 +97,18 @@ def attention_bound(
     q = np.abs(queries.astype(np.float64)).reshape(B, Hk, group, N, D)
     k = np.abs(keys.astype(np.float64))[:, :, None]
     magnitude = (q @ np.swapaxes(k, -1, -2)).max(axis=-1)
-    score_error = scale * magnitude * (2 * u + (D + 2) * FLOAT32_ROUNDOFF)
+    score_error = scale * magnitude * (2 * u + (D + 4) * roundoff)
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
-    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 2) * FLOAT32_ROUNDOFF)
+    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 4) * roundoff)
     return bound.reshape(B, Hq, N, 1)
 
 
 def deferred_attention_bound(
-    queries: np.ndarray, keys: np.ndarray, rotated_values: np.ndarray, scale: float
+    queries: np.ndarray,
+    keys: np.ndarray,
+    rotated_values: np.ndarray,
+    scale: float,
+    roundoff: float = FLOAT32_ROUNDOFF,
 ) -> np.ndarray:
     """Per-output bound on |backend deferred read - reference deferred read| (TQC-4),
     float64, broadcastable to [B, Hq, N, D].
@@ -113,7 +124,7 @@ def deferred_attention_bound(
     """
     B, Hq, _, _ = queries.shape
     Hk, D = keys.shape[1], rotated_values.shape[-1]
-    b = attention_bound(queries, keys, rotated_values, scale)
+    b = attention_bound(queries, keys, rotated_values, scale, roundoff)
     norms = np.linalg.norm(rotated_values.astype(np.float64), axis=-1).max(axis=-1)
     R = np.repeat(norms, Hq // Hk, axis=1).reshape(B, Hq, 1, 1)
     t = (np.log2(D) + 1) * FLOAT32_ROUNDOFF
@@ -121,8 +132,13 @@ def deferred_attention_bound(
     return spread + t * (2 * R * (1 + FLOAT32_ROUNDOFF) + spread)
 
 
-def read_bound(queries: np.ndarray, read: DenseRead | DeferredRead, scale: float) -> np.ndarray:
+def read_bound(
+    queries: np.ndarray,
+    read: DenseRead | DeferredRead,
+    scale: float,
+    roundoff: float = FLOAT32_ROUNDOFF,
+) -> np.ndarray:
     """The bound of a backend's read around the reference's `read` (READ-1, TQC-4)."""
     if isinstance(read, DeferredRead):
-        return deferred_attention_bound(queries, read.keys, read.rotated_values, scale)
-    return attention_bound(queries, read.keys, read.values, scale)
+        return deferred_attention_bound(queries, read.keys, read.rotated_values, scale, roundoff)
+    return attention_bound(queries, read.keys, read.values, scale, roundoff)

@@ -79,7 +79,12 @@ def assert_read_within_bound(
     assert got.shape == want.shape
     reads = expected.reads if isinstance(expected, PositionwiseRead) else (expected,)
     bounds = [
-        read_bound(queries[:, :, i : i + 1] if len(reads) > 1 else queries, r, scale)
+        read_bound(
+            queries[:, :, i : i + 1] if len(reads) > 1 else queries,
+            r,
+            scale,
+            backend.attention_roundoff,
+        )
         for i, r in enumerate(reads)
     ]
     bound = np.concatenate(bounds, axis=2)

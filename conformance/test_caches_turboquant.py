@@ -117,8 +117,11 @@ def test_dense_and_deferred_reads_agree(backend, head_dim, v_bits) -> None:
         deferred = reads["deferred"]
         tolerance = np.repeat(_dense_deferred_tolerance(deferred.rotated_values), 2, axis=1)
         assert np.all(np.abs(outputs["dense"] - outputs["deferred"]) <= tolerance)
-        bound = attention_bound(q, reads["dense"].keys, reads["dense"].values, scale)
-        bound = bound + deferred_attention_bound(q, deferred.keys, deferred.rotated_values, scale)
+        r = backend.attention_roundoff
+        bound = attention_bound(q, reads["dense"].keys, reads["dense"].values, scale, r)
+        bound = bound + deferred_attention_bound(
+            q, deferred.keys, deferred.rotated_values, scale, r
+        )
         backend_outputs = {
             kernels: backend.to_numpy(
                 got[kernels]

@@ -34,3 +34,11 @@ def attention(
     if queries.dtype != keys.dtype:
         raise ValueError(f"queries are {queries.dtype}, keys {keys.dtype}: use one dtype")
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def attention_roundoff() -> float:
+    """Unit roundoff of the products and sums of float32 attention on MLX's default
+    device (READ-1): MLX's CUDA attention rounds float32 operands to TF32 (10 fraction
+    bits, 2^-11); its CPU attention is IEEE float32 (2^-24)."""
+    on_cuda = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+    return 2.0**-11 if on_cuda else 2.0**-24
