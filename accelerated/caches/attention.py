@@ -38,7 +38,7 @@ def attention(
 
 def attention_roundoff() -> float:
     """Unit roundoff of the products and sums of float32 attention on MLX's default
-    device (READ-1): MLX's CUDA attention rounds float32 operands to TF32 (10 fraction
-    bits, 2^-11); its CPU attention is IEEE float32 (2^-24)."""
+    device (READ-1): on CUDA, attention outside the fused one-query kernel multiplies
+    through TF32 (10 fraction bits, 2^-11); on the CPU it is IEEE float32 (2^-24)."""
     on_cuda = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
     return 2.0**-11 if on_cuda else 2.0**-24
