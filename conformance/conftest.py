@@ -18,13 +18,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )
-settings.register_profile(
-    "fuzz",
-    max_examples=5000,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+settings.register_profile("fuzz", parent=settings.get_profile("ci"), max_examples=5000)
 settings.register_profile("quick", parent=settings.get_profile("ci"), max_examples=25)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
