@@ -251,6 +251,7 @@ class Bf16FirstCache(Cache[A]):
 class Bf16FirstQuantizedKVCache(Bf16FirstCache):
     """KVCache, then QuantizedKVCache(group_size, bits) (B16F-2)."""
 
+    #: The two storages; the MLX backend binds its own.
     plain_kind: type[KVCache] = KVCache
     converted_kind: type[QuantizedKVCache] = QuantizedKVCache
 

@@ -32,6 +32,7 @@ class AffineFields:
     affine: ModuleType = affine
     group_size: int
     bits: int
+    #: From the storage this is mixed into (ReadMethods).
     dtype_name: Callable[[object], str]
 
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
