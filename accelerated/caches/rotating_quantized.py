@@ -3,14 +3,12 @@ the MLX affine codec, which stores the same bits (AFF-9)."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from kvspec.accelerated import affine
+from kvspec.accelerated.caches.quantized import AffineFields
 from kvspec.accelerated.caches.rotating import RingStorage
 from kvspec.reference.caches import rotating_quantized
 
 
-class RotatingQuantizedKVCache(RingStorage, rotating_quantized.RotatingQuantizedKVCache):
+class RotatingQuantizedKVCache(
+    AffineFields, RingStorage, rotating_quantized.RotatingQuantizedKVCache
+):
     """The affine ring (QRING-1) on MLX."""
-
-    affine: ModuleType = affine

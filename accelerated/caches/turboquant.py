@@ -9,6 +9,9 @@ from kvspec.accelerated import turboquant
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.reference.caches import turboquant as reference
+from kvspec.reference.caches.turboquant import check_turboquant_parameters
+
+__all__ = ["DeferredRead", "TurboQuantKVCache", "check_turboquant_parameters"]
 
 
 class DeferredRead(reference.DeferredRead):
