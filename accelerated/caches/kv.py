@@ -1,235 +1,25 @@
-"""Growable storage: positions 0..offset-1 at buffer rows 0..offset-1 (spec CACHE-3 ..
-CACHE-8), and `KVCache`, which stores keys and values as given."""
+"""Growable storage and `KVCache` on MLX (spec CACHE-3 .. CACHE-8): the reference's
+bookkeeping over mx.array."""
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import TYPE_CHECKING
 
-import mlx.core as mx
-
-from kvspec.accelerated.caches.masks import make_mask
-from kvspec.accelerated.caches.protocol import (
-    Cache,
-    CacheState,
-    KvLayout,
-    Mask,
-    kv_layout,
-    require,
-    require_same_layout,
-)
 from kvspec.accelerated.caches.reads import ReadMethods
-from kvspec.accelerated.dtypes import dtype_name
+from kvspec.reference.caches import kv
 
 if TYPE_CHECKING:
     from kvspec.accelerated.caches.quantized import QuantizedKVCache
 
-#: Capacity grows in steps of this many positions (CACHE-3).
-STEP = 256
 
-Fields = tuple[mx.array, ...]
-
-
-class GrowingStorage(ReadMethods, Cache[mx.array]):
-    """Stored fields [B, H, capacity, *] of which rows 0..offset-1 are live (CACHE-3).
-
-    Invariants: no fields iff nothing was ever appended (or the cache was consumed);
-    0 <= offset <= capacity; all fields share B, H and capacity.
-    Subclasses say how positions are encoded into fields and decoded back.
-    """
-
-    def __init__(self) -> None:
-        self.offset = 0
-        self.minimum_reusable_offset = 0
-        self._fields: Fields | None = None
-        self._layout: KvLayout | None = None
-
-    @abstractmethod
-    def _encode(self, k: mx.array, v: mx.array) -> Fields:
-        """Fields of new positions; raises ValueError for what the storage cannot hold."""
-
-    @abstractmethod
-    def _decode(self, fields: Fields) -> tuple[mx.array, mx.array]:
-        """Keys and values of stored positions."""
-
-    @abstractmethod
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        """The layout that stored fields imply (for restore_state)."""
-
-    @property
-    def layout(self) -> KvLayout | None:
-        return self._layout
-
-    @property
-    def ring_index(self) -> int | None:
-        return None
-
-    @property
-    def sliding_window(self) -> int | None:
-        return None
-
-    @property
-    def capacity(self) -> int:
-        """Positions the buffers hold room for (CACHE-3)."""
-        return 0 if self._fields is None else self._fields[0].shape[2]
-
-    def _append_layout(self, k: mx.array, v: mx.array) -> KvLayout:
-        """The layout an append of `k`, `v` fixes (CACHE-2)."""
-        return kv_layout(k, v, dtype_name(k.dtype))[0]
-
-    def _checked(self, k: mx.array, v: mx.array) -> tuple[KvLayout, Fields]:
-        layout = self._append_layout(k, v)
-        require_same_layout(self._layout, layout)
-        return layout, self._encode(k, v)
-
-    def check_append(self, k: mx.array, v: mx.array) -> None:
-        """CACHE-2: raise ValueError if `k`, `v` could not be appended."""
-        self._checked(k, v)
-
-    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the new positions at the offset, growing first if needed, and return
-        positions 0..offset-1 decoded (CACHE-3)."""
-        self._append(k, v)
-        return self._decode(self._live())
-
-    def _append(self, k: mx.array, v: mx.array) -> None:
-        """CACHE-3 steps 1 .. 3 but the fetch."""
-        layout, new = self._checked(k, v)
-        L = k.shape[2]
-        prev = self.offset
-        if self._fields is None or prev + L > self.capacity:
-            self._fields = self._grown(new, prev, L)
-        for field, part in zip(self._fields, new, strict=True):
-            field[:, :, prev : prev + L] = part
-        self.offset = prev + L
-        self._layout = layout
-
-    def _grown(self, new: Fields, prev: int, L: int) -> Fields:
-        # mlx-lm's rule: whole steps covering L; a buffer whose offset is not on a step
-        # boundary is first cut to the offset (positions beyond it are dropped).
-        n_steps = (STEP + L - 1) // STEP
-        room = [
-            mx.zeros((*part.shape[:2], n_steps * STEP, part.shape[3]), part.dtype) for part in new
-        ]
-        if self._fields is None:
-            return tuple(room)
-        kept = self._fields
-        if prev % STEP != 0:
-            kept = tuple(field[:, :, :prev] for field in kept)
-        return tuple(
-            mx.concatenate([field, extra], axis=2) for field, extra in zip(kept, room, strict=True)
-        )
-
-    def _live(self) -> Fields:
-        assert self._fields is not None
-        return tuple(field[:, :, : self.offset] for field in self._fields)
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array] | None:
-        """Positions 0..offset-1 decoded; None before the first append (CACHE-3)."""
-        if self._fields is None:
-            return None
-        return self._decode(self._live())
-
-    def is_trimmable(self) -> bool:
-        """Always (CACHE-5)."""
-        return True
-
-    def trim(self, n: int) -> int:
-        """Lower the offset by min(n, offset); stored rows stay until overwritten (CACHE-5)."""
-        if n < 0:
-            raise ValueError(f"cannot trim a negative count {n}")
-        trimmed = min(n, self.offset)
-        self.offset -= trimmed
-        return trimmed
-
-    def make_mask(self, n: int, window_size: int | None) -> Mask:
-        """MASK-2."""
-        return make_mask(n, self.offset, window_size)
-
-    def bytes_per_token(self) -> int:
-        """CACHE-6: one row of every field; 0 before the first append."""
-        if self._fields is None:
-            return 0
-        return sum(field[:, :, :1].nbytes for field in self._fields)
-
-    def state(self) -> CacheState[mx.array]:
-        """CACHE-8: the fields cut to the offset, in the kind's slot order."""
-        arrays = () if self._fields is None else self._live()
-        return CacheState(self.signature(), arrays, self.offset, None, self.minimum_reusable_offset)
-
-    def restore_state(self, state: CacheState[mx.array]) -> None:
-        """CACHE-8: adopt fields of `offset` rows; capacity becomes the offset."""
-        if state.signature != self.signature():
-            raise ValueError(f"state of {state.signature!r} cannot restore {self.signature()!r}")
-        if state.ring_index is not None:
-            raise ValueError("a growable cache has no ring index")
-        layout = None
-        if state.arrays:
-            if any(a.shape[2] != state.offset for a in state.arrays):
-                raise ValueError(f"state arrays must hold exactly offset={state.offset} rows")
-            layout = self._layout_of(state.arrays)
-        elif state.offset != 0:
-            raise ValueError("a state without arrays must have offset 0")
-        self._fields = tuple(mx.array(a) for a in state.arrays) if state.arrays else None
-        self._layout = layout
-        self.offset = state.offset
-        self.minimum_reusable_offset = state.minimum_reusable_offset
-
-    def adopt(self, fields: Fields, layout: KvLayout) -> None:
-        """Take `fields` of `offset` rows as the stored window (conversions, CACHE-9)."""
-        self._fields = fields
-        self._layout = layout
-
-    def release(self) -> None:
-        """Back to the constructed state: what a consumed source is left as (CACHE-9)."""
-        self._fields = None
-        self._layout = None
-        self.offset = 0
-        self.minimum_reusable_offset = 0
-
-    def check_invariants(self) -> None:
-        """CACHE-3 invariants."""
-        if self._fields is None:
-            require(self.offset == 0 and self._layout is None, "empty storage holds positions")
-            return
-        require(0 <= self.offset <= self.capacity, f"offset {self.offset} > capacity")
-        for field in self._fields:
-            require(field.shape[:3] == self._fields[0].shape[:3], "fields disagree on B, H, T")
+class GrowingStorage(ReadMethods, kv.GrowingStorage):
+    """CACHE-3 storage over mx.array."""
 
 
-class KVCache(GrowingStorage):
-    """Keys and values stored as given, in the input dtype (CACHE-3).
+class KVCache(GrowingStorage, kv.KVCache):
+    """Keys and values stored as given (CACHE-3), on MLX."""
 
-    Slot order (CACHE-8): keys [B, H, offset, Dk], values [B, H, offset, Dv].
-    """
-
-    def _encode(self, k: mx.array, v: mx.array) -> Fields:
-        # Own objects: later slice writes update a field in place and must not reach
-        # the caller's arrays.
-        return mx.array(k), mx.array(v)
-
-    def _decode(self, fields: Fields) -> tuple[mx.array, mx.array]:
-        return fields[0], fields[1]
-
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        keys, values = fields
-        B, H, _, k_dim = keys.shape
-        return KvLayout(B, H, k_dim, values.shape[3], dtype_name(keys.dtype))
-
-    def signature(self) -> str:
-        return "kv"
-
-    def to_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
-        """The live window quantized into a new QuantizedKVCache; this cache is consumed:
-        left empty (CACHE-9). Offset and minimum reusable offset carry over."""
+    def _new_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
         from kvspec.accelerated.caches.quantized import QuantizedKVCache
 
-        target = QuantizedKVCache(group_size, bits)
-        window = self.keys_and_values()
-        if window is not None:
-            assert self._layout is not None
-            target.adopt(target._encode(*window), self._layout)
-        target.offset = self.offset
-        target.minimum_reusable_offset = self.minimum_reusable_offset
-        self.release()
-        return target
+        return QuantizedKVCache(group_size, bits)

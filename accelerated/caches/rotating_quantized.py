@@ -1,44 +1,14 @@
-"""`RotatingQuantizedKVCache`: the ring of RING-1 in the affine format (spec QRING-1,
-QRING-2)."""
+"""`RotatingQuantizedKVCache` on MLX (spec QRING-1, QRING-2): the reference's affine ring with
+the MLX affine codec, which stores the same bits (AFF-9)."""
 
 from __future__ import annotations
 
-import mlx.core as mx
-
-from kvspec.accelerated.caches.kv import Fields
-from kvspec.accelerated.caches.protocol import KvLayout
-from kvspec.accelerated.caches.quantized import (
-    affine_layout,
-    check_affine_parameters,
-    decode_affine,
-    encode_affine,
-)
+from kvspec.accelerated.caches.quantized import AffineFields
 from kvspec.accelerated.caches.rotating import RingStorage
+from kvspec.reference.caches import rotating_quantized
 
 
-class RotatingQuantizedKVCache(RingStorage):
-    """An affine ring (QRING-1): RotatingKVCache's state machine over the six affine
-    fields. Every written ring position equals quantizing the bf16 ring at the same
-    position, bit for bit, because positions are encoded one by one and moved as wholes.
-
-    Slot order (RING-6): k_words, k_scales, k_biases, v_words, v_scales, v_biases, each
-    [B, H, T, *] in ring order.
-    """
-
-    def __init__(self, max_size: int, group_size: int = 64, bits: int = 8, keep: int = 0) -> None:
-        check_affine_parameters(group_size, bits)
-        super().__init__(max_size, keep)
-        self.group_size = group_size
-        self.bits = bits
-
-    def _encode(self, k: mx.array, v: mx.array) -> Fields:
-        return encode_affine(k, v, self.group_size, self.bits)
-
-    def _decode(self, fields: Fields) -> tuple[mx.array, mx.array]:
-        return decode_affine(fields, self.group_size, self.bits)
-
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        return affine_layout(fields, self.bits)
-
-    def signature(self) -> str:
-        return f"kv:rotating-affine:{self.max_size}:{self.keep}:{self.bits}:{self.group_size}"
+class RotatingQuantizedKVCache(
+    AffineFields, RingStorage, rotating_quantized.RotatingQuantizedKVCache
+):
+    """The affine ring (QRING-1) on MLX."""

@@ -1,136 +1,28 @@
-"""`TurboQuantKVCache`: growable storage in the TurboQuant format (spec TQC-1 .. TQC-5), on
-MLX. Stores the reference's bits; its reads are bit-exact too (TQC-2)."""
+"""`TurboQuantKVCache` on MLX (spec TQC-1 .. TQC-5): the reference's cache with the MLX
+TurboQuant codec. Stores the reference's bits; its fetches are bit-exact too (TQC-2)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-import mlx.core as mx
+from types import ModuleType
 
 from kvspec.accelerated import turboquant
 from kvspec.accelerated.caches.attention import attention
-from kvspec.accelerated.caches.kv import Fields, GrowingStorage, KVCache
-from kvspec.accelerated.caches.protocol import KvLayout, Mask, Read, require
-from kvspec.reference.caches.turboquant import (
-    KERNELS,
-    READ_DTYPE,
-    check_turboquant_parameters,
-)
+from kvspec.accelerated.caches.kv import GrowingStorage
+from kvspec.reference.caches import turboquant as reference
+from kvspec.reference.caches.turboquant import check_turboquant_parameters
 
-__all__ = [
-    "KERNELS",
-    "READ_DTYPE",
-    "DeferredRead",
-    "TurboQuantKVCache",
-    "check_turboquant_parameters",
-]
+__all__ = ["DeferredRead", "TurboQuantKVCache", "check_turboquant_parameters"]
 
 
-@dataclass(frozen=True)
-class DeferredRead:
-    """Keys and rotated values [B, Hk, T, D] as one read saw them, and its mask (TQC-4):
-    attention over the rotated values, then `unrotate` of each output row (TQ-8)."""
+class DeferredRead(reference.DeferredRead):
+    """The deferred kernels' read (TQC-4) with MLX's attention and unrotation."""
 
-    keys: mx.array
-    rotated_values: mx.array
-    mask: Mask
-
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """READ-1 attention of `queries` [B, Hq, N, D] over the rotated values, unrotated."""
-        rotated = attention(queries, self.keys, self.rotated_values, scale, self.mask)
-        return turboquant.unrotate(rotated)
+    attention = staticmethod(attention)
+    turboquant = turboquant
 
 
-class TurboQuantKVCache(GrowingStorage):
-    """Keys and values in the TurboQuant format of `k_bits` and `v_bits` (TQC-1); reads
-    attend with `kernels`, "dense" or "deferred" (TQC-4).
+class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
+    """TurboQuant growable storage (TQC-1) on MLX."""
 
-    Growth, trimming and masks are KVCache's (CACHE-3 .. CACHE-5); each position is
-    encoded on its own (CACHE-4). Reads are float32 (TQC-2). Slot order (TQC-5): k_idx,
-    k_scales, k_zeros, v_packed, v_scales, each [B, H, offset, *] (TQ-10).
-    Invariants: CACHE-3's, a head_dim of turboquant.HEAD_DIMS for keys and values, and
-    fields of this cache's widths.
-    """
-
-    def __init__(self, k_bits: int = 8, v_bits: int = 4, kernels: str = "dense") -> None:
-        check_turboquant_parameters(k_bits, v_bits, kernels)
-        super().__init__()
-        self.k_bits = k_bits
-        self.v_bits = v_bits
-        self.kernels = kernels
-
-    def _append_layout(self, k: mx.array, v: mx.array) -> KvLayout:
-        # The fields do not record the input format (encoding widens exactly), so the
-        # layout holds the read dtype and appends of any float format may follow (TQC-2).
-        return replace(super()._append_layout(k, v), dtype=READ_DTYPE)
-
-    def _encode(self, k: mx.array, v: mx.array) -> Fields:
-        t = turboquant.encode(k, v, self.k_bits, self.v_bits)
-        return t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales
-
-    def _tensor_and_head_dim(self, fields: Fields) -> tuple[turboquant.TurboQuantTensor, int]:
-        t = turboquant.TurboQuantTensor(*fields)
-        return t, t.k_scales.shape[-1] * turboquant.BLOCK_SIZE
-
-    def _decode(self, fields: Fields) -> tuple[mx.array, mx.array]:
-        t, head_dim = self._tensor_and_head_dim(fields)
-        return turboquant.decode(t, t.k_idx.shape[2], head_dim)
-
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        """TQC-5: the layout five fields imply; ValueError unless they hold this cache's
-        widths."""
-        if len(fields) != 5:
-            raise ValueError(f"a TurboQuant state has 5 arrays, got {len(fields)}")
-        t, head_dim = self._tensor_and_head_dim(fields)
-        if turboquant.stored_bits(t, head_dim) != (self.k_bits, self.v_bits):
-            raise ValueError(f"state fields are not k{self.k_bits}v{self.v_bits} at D={head_dim}")
-        B, H = t.k_idx.shape[:2]
-        return KvLayout(B, H, head_dim, head_dim, READ_DTYPE)
-
-    def signature(self) -> str:
-        """CACHE-7: "kv:turboquant:K_BITS:V_BITS" (the kernels store nothing)."""
-        return f"kv:turboquant:{self.k_bits}:{self.v_bits}"
-
-    def update_and_fetch_deferred_v(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """update_and_fetch, but the values stay rotated (TQC-4, TQ-8)."""
-        self._append(k, v)
-        t, head_dim = self._tensor_and_head_dim(self._live())
-        return turboquant.decode(t, self.offset, head_dim, defer_v=True)
-
-    def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
-        """TQC-4: the dense kernels read decoded values; the deferred ones rotated values,
-        unrotating the attention output."""
-        if self.kernels == "dense":
-            return super().append_and_read(k, v, mask)
-        keys, rotated = self.update_and_fetch_deferred_v(k, v)
-        return DeferredRead(keys, rotated, mask)
-
-    @classmethod
-    def from_kv_cache(
-        cls, cache: KVCache, k_bits: int, v_bits: int, kernels: str = "dense"
-    ) -> TurboQuantKVCache:
-        """TQC-3: the live window of `cache` encoded into a new TurboQuantKVCache with the
-        same offset and minimum reusable offset; `cache` is consumed (CACHE-9). Nothing is
-        consumed when the window cannot be encoded."""
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"from_kv_cache takes a KVCache, got {type(cache).__name__}")
-        target = cls(k_bits, v_bits, kernels)
-        window = cache.keys_and_values()
-        if window is not None:
-            assert cache.layout is not None
-            fields = target._encode(*window)
-            target.adopt(fields, replace(cache.layout, dtype=READ_DTYPE))
-        target.offset = cache.offset
-        target.minimum_reusable_offset = cache.minimum_reusable_offset
-        cache.release()
-        return target
-
-    def check_invariants(self) -> None:
-        """CACHE-3 invariants, then fields of this cache's widths that imply its layout."""
-        super().check_invariants()
-        if self._fields is None:
-            return
-        layout = self._layout_of(self._fields)
-        require(layout == self._layout, f"fields imply {layout}, the cache holds {self._layout}")
-        for field in self._fields[1], self._fields[2], self._fields[4]:
-            require(field.dtype == mx.float16, f"a group field is {field.dtype}, not float16")
+    turboquant: ModuleType = turboquant
+    deferred_read: type[reference.DeferredRead] = DeferredRead

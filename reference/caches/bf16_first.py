@@ -37,7 +37,8 @@ class Bf16FirstCache(Cache[A]):
     Invariants: exactly one storage is held; plain storage is held iff it has never been
     due; the switch is irreversible (trimming below start keeps converted storage).
     Subclasses name the two storages and the conversion (which consumes the plain one);
-    this base holds no arrays of its own, so both backends share it.
+    this base holds no arrays of its own. The storage kinds are class attributes, so the
+    MLX backend binds its own storages and inherits every step.
     """
 
     #: The only head_dim this cache accepts, when its converted storage is specialized.
@@ -250,6 +251,10 @@ class Bf16FirstCache(Cache[A]):
 class Bf16FirstQuantizedKVCache(Bf16FirstCache):
     """KVCache, then QuantizedKVCache(group_size, bits) (B16F-2)."""
 
+    #: The two storages; the MLX backend binds its own.
+    plain_kind: type[KVCache] = KVCache
+    converted_kind: type[QuantizedKVCache] = QuantizedKVCache
+
     def __init__(self, group_size: int, bits: int, start: int) -> None:
         self.group_size = group_size
         self.bits = bits
@@ -257,13 +262,13 @@ class Bf16FirstQuantizedKVCache(Bf16FirstCache):
         super().__init__(start)
 
     def _new_plain(self) -> KVCache:
-        return KVCache()
+        return self.plain_kind()
 
     def _new_converted(self) -> QuantizedKVCache:
-        return QuantizedKVCache(self.group_size, self.bits)
+        return self.converted_kind(self.group_size, self.bits)
 
     def _convert(self, plain: Cache[np.ndarray]) -> QuantizedKVCache:
-        assert isinstance(plain, KVCache)
+        assert isinstance(plain, self.plain_kind)
         return plain.to_quantized(self.group_size, self.bits)
 
 
@@ -271,6 +276,10 @@ class Bf16FirstRotatingQuantizedKVCache(Bf16FirstCache):
     """RotatingKVCache(max_size), then RotatingQuantizedKVCache (B16F-2). A committed span
     is one decode per position through this cache, so the switch falls where that many
     decodes put it (READ-4)."""
+
+    plain_kind: type[RotatingKVCache] = RotatingKVCache
+    converted_kind: type[RotatingQuantizedKVCache] = RotatingQuantizedKVCache
+    positionwise_read: type[PositionwiseRead] = PositionwiseRead
 
     def __init__(self, max_size: int, group_size: int, bits: int, start: int) -> None:
         self.max_size = max_size
@@ -280,13 +289,13 @@ class Bf16FirstRotatingQuantizedKVCache(Bf16FirstCache):
         super().__init__(start)
 
     def _new_plain(self) -> RotatingKVCache:
-        return RotatingKVCache(self.max_size)
+        return self.plain_kind(self.max_size)
 
     def _new_converted(self) -> RotatingQuantizedKVCache:
-        return RotatingQuantizedKVCache(self.max_size, self.group_size, self.bits)
+        return self.converted_kind(self.max_size, self.group_size, self.bits)
 
     def _convert(self, plain: Cache[np.ndarray]) -> RotatingQuantizedKVCache:
-        assert isinstance(plain, RotatingKVCache)
+        assert isinstance(plain, self.plain_kind)
         return plain.to_quantized(self.group_size, self.bits)
 
     def append_committed(self, k: np.ndarray, v: np.ndarray) -> PositionwiseRead:
@@ -296,7 +305,7 @@ class Bf16FirstRotatingQuantizedKVCache(Bf16FirstCache):
         reads = [
             self.append_decode(k[:, :, i : i + 1], v[:, :, i : i + 1]) for i in range(k.shape[2])
         ]
-        return PositionwiseRead(tuple(reads))
+        return self.positionwise_read(tuple(reads))
 
 
 class Bf16FirstKv4Head256Cache(Bf16FirstQuantizedKVCache):
@@ -312,6 +321,9 @@ class Bf16FirstTurboQuantKVCache(Bf16FirstCache):
     """KVCache, then TurboQuantKVCache(k_bits, v_bits, kernels) (B16F-2): the cache the turbo
     scheme composes for full-attention layers (SCHEME-4)."""
 
+    plain_kind: type[KVCache] = KVCache
+    converted_kind: type[TurboQuantKVCache] = TurboQuantKVCache
+
     def __init__(self, k_bits: int, v_bits: int, start: int, kernels: str = "dense") -> None:
         check_turboquant_parameters(k_bits, v_bits, kernels)
         self.k_bits = k_bits
@@ -320,11 +332,11 @@ class Bf16FirstTurboQuantKVCache(Bf16FirstCache):
         super().__init__(start)
 
     def _new_plain(self) -> KVCache:
-        return KVCache()
+        return self.plain_kind()
 
     def _new_converted(self) -> TurboQuantKVCache:
-        return TurboQuantKVCache(self.k_bits, self.v_bits, self.kernels)
+        return self.converted_kind(self.k_bits, self.v_bits, self.kernels)
 
     def _convert(self, plain: Cache[np.ndarray]) -> TurboQuantKVCache:
-        assert isinstance(plain, KVCache)
-        return TurboQuantKVCache.from_kv_cache(plain, self.k_bits, self.v_bits, self.kernels)
+        assert isinstance(plain, self.plain_kind)
+        return self.converted_kind.from_kv_cache(plain, self.k_bits, self.v_bits, self.kernels)

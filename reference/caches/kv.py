@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvspec.reference.caches.masks import make_mask
 from kvspec.reference.caches.protocol import (
     Cache,
     CacheState,
@@ -19,7 +18,6 @@ from kvspec.reference.caches.protocol import (
     require_same_layout,
 )
 from kvspec.reference.caches.reads import ReadMethods
-from kvspec.reference.dtypes import dtype_name
 
 if TYPE_CHECKING:
     from kvspec.reference.caches.quantized import QuantizedKVCache
@@ -35,7 +33,8 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
 
     Invariants: no fields iff nothing was ever appended (or the cache was consumed);
     0 <= offset <= capacity; all fields share B, H and capacity.
-    Subclasses say how positions are encoded into fields and decoded back.
+    Subclasses say how positions are encoded into fields and decoded back; arrays are made
+    through ReadMethods' namespace `xp`.
     """
 
     def __init__(self) -> None:
@@ -75,7 +74,7 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
 
     def _append_layout(self, k: np.ndarray, v: np.ndarray) -> KvLayout:
         """The layout an append of `k`, `v` fixes (CACHE-2)."""
-        return kv_layout(k, v, dtype_name(k.dtype))[0]
+        return kv_layout(k, v, self.dtype_name(k.dtype))[0]
 
     def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
         layout = self._append_layout(k, v)
@@ -109,7 +108,8 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
         # boundary is first cut to the offset (positions beyond it are dropped).
         n_steps = (STEP + L - 1) // STEP
         room = [
-            np.zeros((*part.shape[:2], n_steps * STEP, part.shape[3]), part.dtype) for part in new
+            self.xp.zeros((*part.shape[:2], n_steps * STEP, part.shape[3]), part.dtype)
+            for part in new
         ]
         if self._fields is None:
             return tuple(room)
@@ -117,12 +117,13 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
         if prev % STEP != 0:
             kept = tuple(field[:, :, :prev] for field in kept)
         return tuple(
-            np.concatenate([field, extra], axis=2) for field, extra in zip(kept, room, strict=True)
+            self.xp.concatenate([field, extra], axis=2)
+            for field, extra in zip(kept, room, strict=True)
         )
 
     def _live(self) -> Fields:
         assert self._fields is not None
-        return tuple(field[:, :, : self.offset].copy() for field in self._fields)
+        return tuple(self._detached(field[:, :, : self.offset]) for field in self._fields)
 
     def keys_and_values(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Positions 0..offset-1 decoded; None before the first append (CACHE-3)."""
@@ -144,7 +145,7 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
 
     def make_mask(self, n: int, window_size: int | None) -> Mask:
         """MASK-2."""
-        return make_mask(n, self.offset, window_size)
+        return self.masks.make_mask(n, self.offset, window_size)
 
     def bytes_per_token(self) -> int:
         """CACHE-6: one row of every field; 0 before the first append."""
@@ -170,7 +171,7 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
             layout = self._layout_of(state.arrays)
         elif state.offset != 0:
             raise ValueError("a state without arrays must have offset 0")
-        self._fields = tuple(a.copy() for a in state.arrays) if state.arrays else None
+        self._fields = tuple(self.xp.array(a) for a in state.arrays) if state.arrays else None
         self._layout = layout
         self.offset = state.offset
         self.minimum_reusable_offset = state.minimum_reusable_offset
@@ -204,7 +205,8 @@ class KVCache(GrowingStorage):
     """
 
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        return k.copy(), v.copy()
+        # Copies: later appends write into the fields, never into the caller's arrays.
+        return self.xp.array(k), self.xp.array(v)
 
     def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
         return fields[0], fields[1]
@@ -212,7 +214,7 @@ class KVCache(GrowingStorage):
     def _layout_of(self, fields: Fields) -> KvLayout:
         keys, values = fields
         B, H, _, k_dim = keys.shape
-        return KvLayout(B, H, k_dim, values.shape[3], dtype_name(keys.dtype))
+        return KvLayout(B, H, k_dim, values.shape[3], self.dtype_name(keys.dtype))
 
     def signature(self) -> str:
         return "kv"
@@ -220,9 +222,7 @@ class KVCache(GrowingStorage):
     def to_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
         """The live window quantized into a new QuantizedKVCache; this cache is consumed:
         left empty (CACHE-9). Offset and minimum reusable offset carry over."""
-        from kvspec.reference.caches.quantized import QuantizedKVCache
-
-        target = QuantizedKVCache(group_size, bits)
+        target = self._new_quantized(group_size, bits)
         window = self.keys_and_values()
         if window is not None:
             assert self._layout is not None
@@ -231,3 +231,9 @@ class KVCache(GrowingStorage):
         target.minimum_reusable_offset = self.minimum_reusable_offset
         self.release()
         return target
+
+    def _new_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
+        """An empty QuantizedKVCache of this backend: the target of `to_quantized`."""
+        from kvspec.reference.caches.quantized import QuantizedKVCache
+
+        return QuantizedKVCache(group_size, bits)

@@ -1,13 +1,16 @@
-"""`QuantizedKVCache`: growable storage in the affine format (spec QKV-1, QKV-2)."""
+"""`QuantizedKVCache`: growable storage in the affine format (spec QKV-1, QKV-2), and the
+affine fields it shares with the affine ring."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 
 from kvspec.reference import affine
 from kvspec.reference.caches.kv import Fields, GrowingStorage
 from kvspec.reference.caches.protocol import KvLayout
-from kvspec.reference.dtypes import dtype_name
 
 
 def check_affine_parameters(group_size: int, bits: int) -> None:
@@ -20,35 +23,47 @@ def check_affine_parameters(group_size: int, bits: int) -> None:
         )
 
 
-def encode_affine(k: np.ndarray, v: np.ndarray, group_size: int, bits: int) -> Fields:
-    """The six fields of new positions (QKV-1); groups run along head_dim, so each
-    position is encoded on its own."""
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[-1] % group_size != 0:
-            raise ValueError(
-                f"{name} head_dim {x.shape[-1]} is not a multiple of group_size {group_size}"
-            )
-    return (*affine.quantize(k, group_size, bits), *affine.quantize(v, group_size, bits))
+class AffineFields:
+    """The six affine fields of keys and values (QKV-1), mixed into a storage (growable or
+    ring) as its encoding: k_words, k_scales, k_biases, v_words, v_scales, v_biases.
+    Groups run along head_dim, so each position is encoded on its own."""
+
+    #: The affine codec (AFF-1 .. AFF-6); the MLX backend binds its own, same bits (AFF-9).
+    affine: ModuleType = affine
+    group_size: int
+    bits: int
+    #: From the storage this is mixed into (ReadMethods).
+    dtype_name: Callable[[object], str]
+
+    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
+        """The six fields of new positions (QKV-1)."""
+        for name, x in (("k", k), ("v", v)):
+            if x.shape[-1] % self.group_size != 0:
+                raise ValueError(
+                    f"{name} head_dim {x.shape[-1]} is not a multiple of group_size "
+                    f"{self.group_size}"
+                )
+        keys = self.affine.quantize(k, self.group_size, self.bits)
+        values = self.affine.quantize(v, self.group_size, self.bits)
+        return (*keys, *values)
+
+    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of the six fields, in the input dtype (QKV-1, AFF-6)."""
+        k_words, k_scales, k_biases, v_words, v_scales, v_biases = fields
+        keys = self.affine.dequantize(k_words, k_scales, k_biases, self.group_size, self.bits)
+        values = self.affine.dequantize(v_words, v_scales, v_biases, self.group_size, self.bits)
+        return keys, values
+
+    def _layout_of(self, fields: Fields) -> KvLayout:
+        """The layout six affine fields imply (QKV-1)."""
+        k_words, k_scales, _, v_words, _, _ = fields
+        B, H, _, k_word_count = k_words.shape
+        k_dim = k_word_count * 32 // self.bits
+        v_dim = v_words.shape[3] * 32 // self.bits
+        return KvLayout(B, H, k_dim, v_dim, self.dtype_name(k_scales.dtype))
 
 
-def decode_affine(fields: Fields, group_size: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and values of the six fields, in the input dtype (QKV-1, AFF-6)."""
-    k_words, k_scales, k_biases, v_words, v_scales, v_biases = fields
-    keys = affine.dequantize(k_words, k_scales, k_biases, group_size, bits)
-    values = affine.dequantize(v_words, v_scales, v_biases, group_size, bits)
-    return keys, values
-
-
-def affine_layout(fields: Fields, bits: int) -> KvLayout:
-    """The layout six affine fields imply (QKV-1)."""
-    k_words, k_scales, _, v_words, _, _ = fields
-    B, H, _, k_word_count = k_words.shape
-    return KvLayout(
-        B, H, k_word_count * 32 // bits, v_words.shape[3] * 32 // bits, dtype_name(k_scales.dtype)
-    )
-
-
-class QuantizedKVCache(GrowingStorage):
+class QuantizedKVCache(AffineFields, GrowingStorage):
     """Keys and values in the affine format of `bits` bits per value and groups of
     `group_size` along head_dim (QKV-1). Every supported width and any head_dim that is a
     multiple of group_size (mlx-lm's fails at bits 5 and 6 with head_dim 128).
@@ -63,15 +78,6 @@ class QuantizedKVCache(GrowingStorage):
         super().__init__()
         self.group_size = group_size
         self.bits = bits
-
-    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        return encode_affine(k, v, self.group_size, self.bits)
-
-    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
-        return decode_affine(fields, self.group_size, self.bits)
-
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        return affine_layout(fields, self.bits)
 
     def signature(self) -> str:
         return f"kv:affine:{self.bits}:{self.group_size}"

@@ -3,16 +3,22 @@
 Each read returns an object whose `attend(queries, scale)` is the attention of the
 queries over the keys and values the read saw, under the read's mask. Queries may have
 more heads than keys (READ-1).
+
+`ReadMethods`, the base of every storage cache, also names what the storages compute
+with: the array namespace `xp`, the masks, the read classes and two small hooks. The MLX
+backend binds its own there and inherits every step (kvspec.accelerated.caches).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
+from kvspec.reference import dtypes
+from kvspec.reference.caches import masks
 from kvspec.reference.caches.attention import attention
-from kvspec.reference.caches.masks import create_causal_mask
 from kvspec.reference.caches.protocol import Cache, Mask, Read
 
 
@@ -24,9 +30,12 @@ class DenseRead:
     values: np.ndarray
     mask: Mask
 
+    #: The attention that computes the read (READ-1); each backend binds its own.
+    attention = staticmethod(attention)
+
     def attend(self, queries: np.ndarray, scale: float) -> np.ndarray:
         """READ-1 attention of `queries` [B, Hq, N, D]."""
-        return attention(queries, self.keys, self.values, scale, self.mask)
+        return self.attention(queries, self.keys, self.values, scale, self.mask)
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,9 @@ class PositionwiseRead:
 
     reads: tuple[DenseRead, ...]
 
+    #: The array namespace that joins the outputs.
+    xp = np
+
     def attend(self, queries: np.ndarray, scale: float) -> np.ndarray:
         """Query position i of `queries` [B, Hq, N, D] through read i; N = len(reads)."""
         if queries.shape[2] != len(self.reads):
@@ -42,108 +54,96 @@ class PositionwiseRead:
         outputs = [
             read.attend(queries[:, :, i : i + 1], scale) for i, read in enumerate(self.reads)
         ]
-        return np.concatenate(outputs, axis=2)
-
-
-def append_decode(cache: ReadMethods, k: np.ndarray, v: np.ndarray) -> Read:
-    """Append one position; its query sees the whole fetched window, no mask (READ-2)."""
-    cache.check_append(k, v)
-    if k.shape[2] != 1:
-        raise ValueError(f"a decode appends one position, got {k.shape[2]}")
-    return cache.append_and_read(k, v, None)
-
-
-def append_window(cache: ReadMethods, k: np.ndarray, v: np.ndarray) -> Read:
-    """Append L positions; causal, and windowed on a ring (READ-3). The mask is the cache's
-    `make_mask(L, None)` taken before the append (MASK-2, MASK-3)."""
-    cache.check_append(k, v)
-    mask = cache.make_mask(k.shape[2], None)
-    return cache.append_and_read(k, v, mask)
-
-
-def read_block(cache: ReadMethods, k: np.ndarray, v: np.ndarray) -> DenseRead:
-    """The stored window followed by a block that is not appended, no mask (READ-5)."""
-    cache.check_append(k, v)
-    stored = cache.keys_and_values()
-    if stored is None:
-        return DenseRead(k, v, None)
-    keys = np.concatenate([stored[0], k], axis=2)
-    values = np.concatenate([stored[1], v], axis=2)
-    return DenseRead(keys, values, None)
-
-
-def check_first_window(
-    cache: ReadMethods, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray, read: str
-) -> None:
-    """Reject a first-window read on a cache that holds positions, or a malformed
-    bidirectional mask, before anything is appended (READ-6)."""
-    cache.check_append(k, v)
-    if cache.offset != 0:
-        raise ValueError(
-            f"{read} reads a sequence's first window (offset 0); this cache holds "
-            f"{cache.offset} positions"
-        )
-    L = k.shape[2]
-    if bidirectional.shape != (L, L) or bidirectional.dtype != np.bool_:
-        raise ValueError(
-            f"bidirectional must be bool [{L}, {L}], got {bidirectional.dtype} "
-            f"{tuple(bidirectional.shape)}"
-        )
-
-
-def append_bidirectional(
-    cache: ReadMethods, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-) -> Read:
-    """The first window, causal (windowed on a ring) or marked in `bidirectional` [L, L]
-    (READ-6)."""
-    check_first_window(cache, k, v, bidirectional, "append_bidirectional")
-    causal = create_causal_mask(k.shape[2], 0, cache.sliding_window)
-    mask = causal | bidirectional
-    return cache.append_and_read(k, v, mask)
-
-
-def append_encoder_window(
-    cache: ReadMethods, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
-) -> Read:
-    """The first window, each query seeing exactly the keys `bidirectional` [L, L] marks
-    (READ-6); every query must see at least one key."""
-    check_first_window(cache, k, v, bidirectional, "append_encoder_window")
-    if not np.all(np.any(bidirectional, axis=-1)):
-        raise ValueError("an encoder window's query sees no key under `bidirectional`")
-    return cache.append_and_read(k, v, bidirectional)
+        return self.xp.concatenate(outputs, axis=2)
 
 
 class ReadMethods(Cache[np.ndarray]):
-    """The reads of a storage cache as methods (READ-2 .. READ-6)."""
+    """The reads of a storage cache as methods (READ-2 .. READ-6), and what every storage
+    computes with. Arrays are made and joined through `xp` (`np.zeros(shape, dtype)` and
+    `np.concatenate(arrays, axis=)` have MLX twins of the same signature); `xp.array(a)`
+    is an array of its own (a copy)."""
+
+    #: The array namespace.
+    xp: ModuleType = np
+    #: The masks of MASK-1 .. MASK-3.
+    masks: ModuleType = masks
+    #: The read an append returns (READ-1).
+    dense_read: type[DenseRead] = DenseRead
+    #: The spec's name of an array's float format (CONV-1).
+    dtype_name = staticmethod(dtypes.dtype_name)
+
+    @staticmethod
+    def _detached(rows: np.ndarray) -> np.ndarray:
+        """Rows sliced from a stored field, as an array that later writes into the field do
+        not reach (fetches, CACHE-3; states, CACHE-8). A NumPy slice is a view: copy it."""
+        return rows.copy()
 
     def append_and_read(self, k: np.ndarray, v: np.ndarray, mask: Mask) -> Read:
         """Append, then what attention sees of the fetched window under `mask` (READ-1).
         TurboQuant's deferred kernels read rotated values instead (TQC-4)."""
         keys, values = self.update_and_fetch(k, v)
-        return DenseRead(keys, values, mask)
+        return self.dense_read(keys, values, mask)
 
     def append_decode(self, k: np.ndarray, v: np.ndarray) -> Read:
-        """READ-2."""
-        return append_decode(self, k, v)
+        """Append one position; its query sees the whole fetched window, no mask (READ-2)."""
+        self.check_append(k, v)
+        if k.shape[2] != 1:
+            raise ValueError(f"a decode appends one position, got {k.shape[2]}")
+        return self.append_and_read(k, v, None)
 
     def append_window(self, k: np.ndarray, v: np.ndarray) -> Read:
-        """READ-3."""
-        return append_window(self, k, v)
+        """Append L positions; causal, and windowed on a ring (READ-3). The mask is the cache's
+        `make_mask(L, None)` taken before the append (MASK-2, MASK-3)."""
+        self.check_append(k, v)
+        mask = self.make_mask(k.shape[2], None)
+        return self.append_and_read(k, v, mask)
 
     def append_committed(self, k: np.ndarray, v: np.ndarray) -> Read:
         """READ-4: on storage caches, the window read."""
-        return append_window(self, k, v)
+        return self.append_window(k, v)
 
     def read_block(self, k: np.ndarray, v: np.ndarray) -> Read:
-        """READ-5."""
-        return read_block(self, k, v)
+        """The stored window followed by a block that is not appended, no mask (READ-5)."""
+        self.check_append(k, v)
+        stored = self.keys_and_values()
+        if stored is None:
+            return self.dense_read(k, v, None)
+        keys = self.xp.concatenate([stored[0], k], axis=2)
+        values = self.xp.concatenate([stored[1], v], axis=2)
+        return self.dense_read(keys, values, None)
+
+    def _check_first_window(
+        self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray, read: str
+    ) -> None:
+        """Reject a first-window read on a cache that holds positions, or a malformed
+        bidirectional mask, before anything is appended (READ-6)."""
+        self.check_append(k, v)
+        if self.offset != 0:
+            raise ValueError(
+                f"{read} reads a sequence's first window (offset 0); this cache holds "
+                f"{self.offset} positions"
+            )
+        L = k.shape[2]
+        if tuple(bidirectional.shape) != (L, L) or bidirectional.dtype != self.xp.bool_:
+            raise ValueError(
+                f"bidirectional must be bool [{L}, {L}], got {bidirectional.dtype} "
+                f"{tuple(bidirectional.shape)}"
+            )
 
     def append_bidirectional(self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray) -> Read:
-        """READ-6."""
-        return append_bidirectional(self, k, v, bidirectional)
+        """The first window, causal (windowed on a ring) or marked in `bidirectional` [L, L]
+        (READ-6)."""
+        self._check_first_window(k, v, bidirectional, "append_bidirectional")
+        causal = self.masks.create_causal_mask(k.shape[2], 0, self.sliding_window)
+        mask = causal | bidirectional
+        return self.append_and_read(k, v, mask)
 
     def append_encoder_window(
         self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray
     ) -> Read:
-        """READ-6."""
-        return append_encoder_window(self, k, v, bidirectional)
+        """The first window, each query seeing exactly the keys `bidirectional` [L, L] marks
+        (READ-6); every query must see at least one key."""
+        self._check_first_window(k, v, bidirectional, "append_encoder_window")
+        if not self.xp.all(self.xp.any(bidirectional, axis=-1)):
+            raise ValueError("an encoder window's query sees no key under `bidirectional`")
+        return self.append_and_read(k, v, bidirectional)

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvspec.reference.caches.kv import STEP, Fields
-from kvspec.reference.caches.masks import rotating_make_mask
 from kvspec.reference.caches.protocol import (
     Cache,
     CacheState,
@@ -20,7 +19,6 @@ from kvspec.reference.caches.protocol import (
     require_same_layout,
 )
 from kvspec.reference.caches.reads import ReadMethods
-from kvspec.reference.dtypes import dtype_name
 
 if TYPE_CHECKING:
     from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
@@ -34,7 +32,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
     Invariants (RING-1): no fields iff nothing was appended (or the cache was consumed);
     0 <= keep < max_size; ring_index <= T; min(offset, max_size) <= T; while
     offset < max_size the buffer is in temporal order and ring_index == offset; once
-    offset >= max_size, keep <= ring_index.
+    offset >= max_size, keep <= ring_index. Arrays are made through ReadMethods' `xp`.
     """
 
     def __init__(self, max_size: int, keep: int = 0) -> None:
@@ -80,7 +78,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         return 0 if self._fields is None else self._fields[0].shape[2]
 
     def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
-        layout, _ = kv_layout(k, v, dtype_name(k.dtype))
+        layout, _ = kv_layout(k, v, self.dtype_name(k.dtype))
         require_same_layout(self._layout, layout)
         return layout, self._encode(k, v)
 
@@ -105,12 +103,13 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         if self._fields is None or (prev >= self.length and self.length < self.max_size):
             # Grow by a step, never past max_size.
             size = min(STEP, self.max_size - prev)
-            room = tuple(np.zeros((*p.shape[:2], size, p.shape[3]), p.dtype) for p in new)
+            room = tuple(self.xp.zeros((*p.shape[:2], size, p.shape[3]), p.dtype) for p in new)
             if self._fields is None:
                 self._fields = room
             else:
                 self._fields = tuple(
-                    np.concatenate([f, r], axis=2) for f, r in zip(self._fields, room, strict=True)
+                    self.xp.concatenate([f, r], axis=2)
+                    for f, r in zip(self._fields, room, strict=True)
                 )
             self._index = prev
         excess = self.length - self.max_size
@@ -135,7 +134,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
             excess = ordered[0].shape[2] - self.max_size + 1
             kept = self._evicted(excess, ordered)
             self._fields = tuple(
-                np.concatenate([f, p], axis=2) for f, p in zip(kept, new, strict=True)
+                self.xp.concatenate([f, p], axis=2) for f, p in zip(kept, new, strict=True)
             )
         self.offset += new[0].shape[2]
         self._index = self.length
@@ -145,7 +144,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         if count <= 0:
             return fields
         return tuple(
-            np.concatenate([f[:, :, : self.keep], f[:, :, count + self.keep :]], axis=2)
+            self.xp.concatenate([f[:, :, : self.keep], f[:, :, count + self.keep :]], axis=2)
             for f in fields
         )
 
@@ -155,7 +154,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
             return fields
         if self._index < self.offset:
             return tuple(
-                np.concatenate(
+                self.xp.concatenate(
                     [
                         f[:, :, : self.keep],
                         f[:, :, self._index :],
@@ -170,7 +169,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
     def _live(self) -> Fields:
         assert self._fields is not None
         end = min(self.offset, self.length)
-        return tuple(f[:, :, :end].copy() for f in self._fields)
+        return tuple(self._detached(f[:, :, :end]) for f in self._fields)
 
     def keys_and_values(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The first min(offset, T) buffer positions decoded, in ring order (RING-4)."""
@@ -198,7 +197,9 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
 
     def make_mask(self, n: int, window_size: int | None) -> Mask:
         """MASK-3."""
-        return rotating_make_mask(n, self.offset, self.max_size, self._index, window_size)
+        return self.masks.rotating_make_mask(
+            n, self.offset, self.max_size, self._index, window_size
+        )
 
     def bytes_per_token(self) -> int:
         """CACHE-6: one position of every field; 0 before the first append."""
@@ -208,7 +209,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
 
     def state(self) -> CacheState[np.ndarray]:
         """RING-6: the whole buffer in ring order, offset, ring index."""
-        arrays = () if self._fields is None else tuple(f.copy() for f in self._fields)
+        arrays = () if self._fields is None else tuple(self.xp.array(f) for f in self._fields)
         return CacheState(
             self.signature(), arrays, self.offset, self._index, self.minimum_reusable_offset
         )
@@ -224,7 +225,7 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         layout = self._layout_of(state.arrays) if state.arrays else None
         if not state.arrays and state.offset != 0:
             raise ValueError("a state without arrays must have offset 0")
-        self._fields = tuple(a.copy() for a in state.arrays) if state.arrays else None
+        self._fields = tuple(self.xp.array(a) for a in state.arrays) if state.arrays else None
         self._layout = layout
         self.offset = state.offset
         self._index = index
@@ -266,7 +267,8 @@ class RotatingKVCache(RingStorage):
     """
 
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        return k.copy(), v.copy()
+        # Copies: later appends write into the fields, never into the caller's arrays.
+        return self.xp.array(k), self.xp.array(v)
 
     def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
         return fields[0], fields[1]
@@ -274,7 +276,7 @@ class RotatingKVCache(RingStorage):
     def _layout_of(self, fields: Fields) -> KvLayout:
         keys, values = fields
         B, H, _, k_dim = keys.shape
-        return KvLayout(B, H, k_dim, values.shape[3], dtype_name(keys.dtype))
+        return KvLayout(B, H, k_dim, values.shape[3], self.dtype_name(keys.dtype))
 
     def signature(self) -> str:
         return f"kv:rotating:{self.max_size}:{self.keep}"
@@ -283,9 +285,7 @@ class RotatingKVCache(RingStorage):
         """The whole buffer quantized position by position into a RotatingQuantizedKVCache
         with this ring's max_size, keep, offset and ring index; this cache is consumed
         (CACHE-9, QRING-2)."""
-        from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
-
-        target = RotatingQuantizedKVCache(self.max_size, group_size, bits, self.keep)
+        target = self._new_quantized(group_size, bits)
         if self._fields is not None:
             assert self._layout is not None
             target.adopt(target._encode(*self._fields), self._layout)
@@ -294,3 +294,10 @@ class RotatingKVCache(RingStorage):
         target.minimum_reusable_offset = self.minimum_reusable_offset
         self.release()
         return target
+
+    def _new_quantized(self, group_size: int, bits: int) -> RotatingQuantizedKVCache:
+        """An empty RotatingQuantizedKVCache of this backend with this ring's max_size and
+        keep: the target of `to_quantized`."""
+        from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
+
+        return RotatingQuantizedKVCache(self.max_size, group_size, bits, self.keep)

@@ -3,20 +3,11 @@ QRING-2)."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from kvspec.reference.caches.kv import Fields
-from kvspec.reference.caches.protocol import KvLayout
-from kvspec.reference.caches.quantized import (
-    affine_layout,
-    check_affine_parameters,
-    decode_affine,
-    encode_affine,
-)
+from kvspec.reference.caches.quantized import AffineFields, check_affine_parameters
 from kvspec.reference.caches.rotating import RingStorage
 
 
-class RotatingQuantizedKVCache(RingStorage):
+class RotatingQuantizedKVCache(AffineFields, RingStorage):
     """An affine ring (QRING-1): RotatingKVCache's state machine over the six affine
     fields. Every written ring position equals quantizing the bf16 ring at the same
     position, bit for bit, because positions are encoded one by one and moved as wholes.
@@ -30,15 +21,6 @@ class RotatingQuantizedKVCache(RingStorage):
         super().__init__(max_size, keep)
         self.group_size = group_size
         self.bits = bits
-
-    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        return encode_affine(k, v, self.group_size, self.bits)
-
-    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
-        return decode_affine(fields, self.group_size, self.bits)
-
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        return affine_layout(fields, self.bits)
 
     def signature(self) -> str:
         return f"kv:rotating-affine:{self.max_size}:{self.keep}:{self.bits}:{self.group_size}"

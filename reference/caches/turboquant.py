@@ -6,6 +6,7 @@ Full-attention layers only: the seeds' TurboQuant cache is never a ring.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import ModuleType
 
 import numpy as np
 
@@ -41,10 +42,14 @@ class DeferredRead:
     rotated_values: np.ndarray
     mask: Mask
 
+    #: The attention (READ-1) and the codec (TQ-6); each backend binds its own.
+    attention = staticmethod(attention)
+    turboquant = turboquant
+
     def attend(self, queries: np.ndarray, scale: float) -> np.ndarray:
         """READ-1 attention of `queries` [B, Hq, N, D] over the rotated values, unrotated."""
-        rotated = attention(queries, self.keys, self.rotated_values, scale, self.mask)
-        return turboquant.unrotate(rotated)
+        rotated = self.attention(queries, self.keys, self.rotated_values, scale, self.mask)
+        return self.turboquant.unrotate(rotated)
 
 
 class TurboQuantKVCache(GrowingStorage):
@@ -57,6 +62,11 @@ class TurboQuantKVCache(GrowingStorage):
     Invariants: CACHE-3's, a head_dim of turboquant.HEAD_DIMS for keys and values, and
     fields of this cache's widths.
     """
+
+    #: The TurboQuant codec (TQ-1 .. TQ-10); the MLX backend binds its own, same bits.
+    turboquant: ModuleType = turboquant
+    #: The read of the deferred kernels (TQC-4).
+    deferred_read: type[DeferredRead] = DeferredRead
 
     def __init__(self, k_bits: int = 8, v_bits: int = 4, kernels: str = "dense") -> None:
         check_turboquant_parameters(k_bits, v_bits, kernels)
@@ -71,16 +81,16 @@ class TurboQuantKVCache(GrowingStorage):
         return replace(super()._append_layout(k, v), dtype=READ_DTYPE)
 
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        t = turboquant.encode(k, v, self.k_bits, self.v_bits)
+        t = self.turboquant.encode(k, v, self.k_bits, self.v_bits)
         return t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales
 
     def _tensor_and_head_dim(self, fields: Fields) -> tuple[turboquant.TurboQuantTensor, int]:
-        t = turboquant.TurboQuantTensor(*fields)
+        t = self.turboquant.TurboQuantTensor(*fields)
         return t, t.k_scales.shape[-1] * turboquant.BLOCK_SIZE
 
     def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
         t, head_dim = self._tensor_and_head_dim(fields)
-        return turboquant.decode(t, t.k_idx.shape[2], head_dim)
+        return self.turboquant.decode(t, t.k_idx.shape[2], head_dim)
 
     def _layout_of(self, fields: Fields) -> KvLayout:
         """TQC-5: the layout five fields imply; ValueError unless they hold this cache's
@@ -88,7 +98,7 @@ class TurboQuantKVCache(GrowingStorage):
         if len(fields) != 5:
             raise ValueError(f"a TurboQuant state has 5 arrays, got {len(fields)}")
         t, head_dim = self._tensor_and_head_dim(fields)
-        if turboquant.stored_bits(t, head_dim) != (self.k_bits, self.v_bits):
+        if self.turboquant.stored_bits(t, head_dim) != (self.k_bits, self.v_bits):
             raise ValueError(f"state fields are not k{self.k_bits}v{self.v_bits} at D={head_dim}")
         B, H = t.k_idx.shape[:2]
         return KvLayout(B, H, head_dim, head_dim, READ_DTYPE)
@@ -103,7 +113,7 @@ class TurboQuantKVCache(GrowingStorage):
         """update_and_fetch, but the values stay rotated (TQC-4, TQ-8)."""
         self._append(k, v)
         t, head_dim = self._tensor_and_head_dim(self._live())
-        return turboquant.decode(t, self.offset, head_dim, defer_v=True)
+        return self.turboquant.decode(t, self.offset, head_dim, defer_v=True)
 
     def append_and_read(self, k: np.ndarray, v: np.ndarray, mask: Mask) -> Read:
         """TQC-4: the dense kernels read decoded values; the deferred ones rotated values,
@@ -111,7 +121,7 @@ class TurboQuantKVCache(GrowingStorage):
         if self.kernels == "dense":
             return super().append_and_read(k, v, mask)
         keys, rotated = self.update_and_fetch_deferred_v(k, v)
-        return DeferredRead(keys, rotated, mask)
+        return self.deferred_read(keys, rotated, mask)
 
     @classmethod
     def from_kv_cache(
@@ -141,4 +151,4 @@ class TurboQuantKVCache(GrowingStorage):
         layout = self._layout_of(self._fields)
         require(layout == self._layout, f"fields imply {layout}, the cache holds {self._layout}")
         for field in self._fields[1], self._fields[2], self._fields[4]:
-            require(field.dtype == np.float16, f"a group field is {field.dtype}, not float16")
+            require(field.dtype == self.xp.float16, f"a group field is {field.dtype}, not float16")
