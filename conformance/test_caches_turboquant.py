@@ -201,6 +201,9 @@ def test_from_kv_cache_consumes_only_what_it_can_encode(backend) -> None:
     assert source.offset == 5 and len(source.state().arrays) == 2
     with pytest.raises(ValueError, match="takes a KVCache"):
         caches.TurboQuantKVCache.from_kv_cache(caches.RotatingKVCache(8), 8, 4)
+    if backend.name != "reference":  # a cache of another backend is no source either
+        with pytest.raises(ValueError, match="takes a KVCache of this backend"):
+            caches.TurboQuantKVCache.from_kv_cache(reference.KVCache(), 8, 4)
     source = caches.KVCache()
     k, v = random_kv(1, (1, 1, 5, 64), 64, BFLOAT16)
     source.update_and_fetch(*_to_backend(backend, k, v))

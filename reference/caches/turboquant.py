@@ -130,8 +130,11 @@ class TurboQuantKVCache(GrowingStorage):
         """TQC-3: the live window of `cache` encoded into a new TurboQuantKVCache with the
         same offset and minimum reusable offset; `cache` is consumed (CACHE-9). Nothing is
         consumed when the window cannot be encoded."""
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"from_kv_cache takes a KVCache, got {type(cache).__name__}")
+        if not isinstance(cache, KVCache) or cache.xp is not cls.xp:
+            raise ValueError(
+                f"from_kv_cache takes a KVCache of this backend, got {type(cache).__module__}."
+                f"{type(cache).__name__}"
+            )
         target = cls(k_bits, v_bits, kernels)
         window = cache.keys_and_values()
         if window is not None:
