@@ -3,21 +3,16 @@ CACHE-8), and `KVCache`, which stores keys and values as given."""
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvspec.reference.caches.protocol import (
-    Cache,
     CacheState,
-    KvLayout,
     Mask,
-    kv_layout,
     require,
-    require_same_layout,
 )
-from kvspec.reference.caches.reads import ReadMethods
+from kvspec.reference.caches.storage import Fields, FieldStorage, PlainFields
 
 if TYPE_CHECKING:
     from kvspec.reference.caches.quantized import QuantizedKVCache
@@ -25,10 +20,8 @@ if TYPE_CHECKING:
 #: Capacity grows in steps of this many positions (CACHE-3).
 STEP = 256
 
-Fields = tuple[np.ndarray, ...]
 
-
-class GrowingStorage(ReadMethods, Cache[np.ndarray]):
+class GrowingStorage(FieldStorage):
     """Stored fields [B, H, capacity, *] of which rows 0..offset-1 are live (CACHE-3).
 
     Invariants: no fields iff nothing was ever appended (or the cache was consumed);
@@ -36,28 +29,6 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
     Subclasses say how positions are encoded into fields and decoded back; arrays are made
     through ReadMethods' namespace `xp`.
     """
-
-    def __init__(self) -> None:
-        self.offset = 0
-        self.minimum_reusable_offset = 0
-        self._fields: Fields | None = None
-        self._layout: KvLayout | None = None
-
-    @abstractmethod
-    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        """Fields of new positions; raises ValueError for what the storage cannot hold."""
-
-    @abstractmethod
-    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of stored positions."""
-
-    @abstractmethod
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        """The layout that stored fields imply (for restore_state)."""
-
-    @property
-    def layout(self) -> KvLayout | None:
-        return self._layout
 
     @property
     def ring_index(self) -> int | None:
@@ -71,19 +42,6 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
     def capacity(self) -> int:
         """Positions the buffers hold room for (CACHE-3)."""
         return 0 if self._fields is None else self._fields[0].shape[2]
-
-    def _append_layout(self, k: np.ndarray, v: np.ndarray) -> KvLayout:
-        """The layout an append of `k`, `v` fixes (CACHE-2)."""
-        return kv_layout(k, v, self.dtype_name(k.dtype))[0]
-
-    def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
-        layout = self._append_layout(k, v)
-        require_same_layout(self._layout, layout)
-        return layout, self._encode(k, v)
-
-    def check_append(self, k: np.ndarray, v: np.ndarray) -> None:
-        """CACHE-2: raise ValueError if `k`, `v` could not be appended."""
-        self._checked(k, v)
 
     def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write the new positions at the offset, growing first if needed, and return
@@ -125,12 +83,6 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
         assert self._fields is not None
         return tuple(self._detached(field[:, :, : self.offset]) for field in self._fields)
 
-    def keys_and_values(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Positions 0..offset-1 decoded; None before the first append (CACHE-3)."""
-        if self._fields is None:
-            return None
-        return self._decode(self._live())
-
     def is_trimmable(self) -> bool:
         """Always (CACHE-5)."""
         return True
@@ -146,12 +98,6 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
     def make_mask(self, n: int, window_size: int | None) -> Mask:
         """MASK-2."""
         return self.masks.make_mask(n, self.offset, window_size)
-
-    def bytes_per_token(self) -> int:
-        """CACHE-6: one row of every field; 0 before the first append."""
-        if self._fields is None:
-            return 0
-        return sum(field[:, :, :1].nbytes for field in self._fields)
 
     def state(self) -> CacheState[np.ndarray]:
         """CACHE-8: the fields cut to the offset, in the kind's slot order."""
@@ -176,18 +122,6 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
         self.offset = state.offset
         self.minimum_reusable_offset = state.minimum_reusable_offset
 
-    def adopt(self, fields: Fields, layout: KvLayout) -> None:
-        """Take `fields` of `offset` rows as the stored window (conversions, CACHE-9)."""
-        self._fields = fields
-        self._layout = layout
-
-    def release(self) -> None:
-        """Back to the constructed state: what a consumed source is left as (CACHE-9)."""
-        self._fields = None
-        self._layout = None
-        self.offset = 0
-        self.minimum_reusable_offset = 0
-
     def check_invariants(self) -> None:
         """CACHE-3 invariants."""
         if self._fields is None:
@@ -198,23 +132,11 @@ class GrowingStorage(ReadMethods, Cache[np.ndarray]):
             require(field.shape[:3] == self._fields[0].shape[:3], "fields disagree on B, H, T")
 
 
-class KVCache(GrowingStorage):
+class KVCache(PlainFields, GrowingStorage):
     """Keys and values stored as given, in the input dtype (CACHE-3).
 
     Slot order (CACHE-8): keys [B, H, offset, Dk], values [B, H, offset, Dv].
     """
-
-    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        # Copies: later appends write into the fields, never into the caller's arrays.
-        return self.xp.array(k), self.xp.array(v)
-
-    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
-        return fields[0], fields[1]
-
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        keys, values = fields
-        B, H, _, k_dim = keys.shape
-        return KvLayout(B, H, k_dim, values.shape[3], self.dtype_name(keys.dtype))
 
     def signature(self) -> str:
         return "kv"

@@ -9,8 +9,9 @@ from types import ModuleType
 import numpy as np
 
 from kvspec.reference import affine
-from kvspec.reference.caches.kv import Fields, GrowingStorage
+from kvspec.reference.caches.kv import GrowingStorage
 from kvspec.reference.caches.protocol import KvLayout
+from kvspec.reference.caches.storage import Fields
 
 
 def check_affine_parameters(group_size: int, bits: int) -> None:

@@ -3,28 +3,23 @@
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvspec.reference.caches.kv import STEP, Fields
+from kvspec.reference.caches.kv import STEP
 from kvspec.reference.caches.protocol import (
-    Cache,
     CacheState,
-    KvLayout,
     Mask,
-    kv_layout,
     require,
-    require_same_layout,
 )
-from kvspec.reference.caches.reads import ReadMethods
+from kvspec.reference.caches.storage import Fields, FieldStorage, PlainFields
 
 if TYPE_CHECKING:
     from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
 
 
-class RingStorage(ReadMethods, Cache[np.ndarray]):
+class RingStorage(FieldStorage):
     """A sliding window of `max_size` positions whose first `keep` are never evicted
     (RING-1). Fields are [B, H, T, *]; `ring_index` is where the next one-position append
     writes.
@@ -40,29 +35,10 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
             raise ValueError(f"max_size must be at least 1, got {max_size}")
         if not 0 <= keep < max_size:
             raise ValueError(f"keep must be in [0, max_size), got {keep}")
+        super().__init__()
         self.max_size = max_size
         self.keep = keep
-        self.offset = 0
-        self.minimum_reusable_offset = 0
         self._index = 0
-        self._fields: Fields | None = None
-        self._layout: KvLayout | None = None
-
-    @abstractmethod
-    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        """Fields of new positions; raises ValueError for what the storage cannot hold."""
-
-    @abstractmethod
-    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of stored positions."""
-
-    @abstractmethod
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        """The layout that stored fields imply (for restore_state)."""
-
-    @property
-    def layout(self) -> KvLayout | None:
-        return self._layout
 
     @property
     def ring_index(self) -> int | None:
@@ -76,15 +52,6 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
     def length(self) -> int:
         """T: positions the buffers hold (RING-1)."""
         return 0 if self._fields is None else self._fields[0].shape[2]
-
-    def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
-        layout, _ = kv_layout(k, v, self.dtype_name(k.dtype))
-        require_same_layout(self._layout, layout)
-        return layout, self._encode(k, v)
-
-    def check_append(self, k: np.ndarray, v: np.ndarray) -> None:
-        """CACHE-2: raise ValueError if `k`, `v` could not be appended."""
-        self._checked(k, v)
 
     def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One position: in place (RING-2); more: in temporal order, then concatenated
@@ -171,12 +138,6 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         end = min(self.offset, self.length)
         return tuple(self._detached(f[:, :, :end]) for f in self._fields)
 
-    def keys_and_values(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The first min(offset, T) buffer positions decoded, in ring order (RING-4)."""
-        if self._fields is None:
-            return None
-        return self._decode(self._live())
-
     def is_trimmable(self) -> bool:
         """Only while nothing was evicted: offset < max_size (RING-5)."""
         return self.offset < self.max_size
@@ -200,12 +161,6 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         return self.masks.rotating_make_mask(
             n, self.offset, self.max_size, self._index, window_size
         )
-
-    def bytes_per_token(self) -> int:
-        """CACHE-6: one position of every field; 0 before the first append."""
-        if self._fields is None:
-            return 0
-        return sum(f[:, :, :1].nbytes for f in self._fields)
 
     def state(self) -> CacheState[np.ndarray]:
         """RING-6: the whole buffer in ring order, offset, ring index."""
@@ -231,18 +186,10 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
         self._index = index
         self.minimum_reusable_offset = state.minimum_reusable_offset
 
-    def adopt(self, fields: Fields, layout: KvLayout) -> None:
-        """Take `fields` in ring order as the stored buffer (conversions, CACHE-9)."""
-        self._fields = fields
-        self._layout = layout
-
     def release(self) -> None:
-        """Back to the constructed state: what a consumed source is left as (CACHE-9)."""
-        self._fields = None
-        self._layout = None
-        self.offset = 0
+        """Back to the constructed state, ring index 0 included (CACHE-9)."""
+        super().release()
         self._index = 0
-        self.minimum_reusable_offset = 0
 
     def check_invariants(self) -> None:
         """RING-1 invariants."""
@@ -260,23 +207,11 @@ class RingStorage(ReadMethods, Cache[np.ndarray]):
             require(field.shape[:3] == self._fields[0].shape[:3], "fields disagree on B, H, T")
 
 
-class RotatingKVCache(RingStorage):
+class RotatingKVCache(PlainFields, RingStorage):
     """Keys and values stored as given in a ring (RING-1).
 
     Slot order (RING-6): keys [B, H, T, Dk], values [B, H, T, Dv], the buffer in ring order.
     """
-
-    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        # Copies: later appends write into the fields, never into the caller's arrays.
-        return self.xp.array(k), self.xp.array(v)
-
-    def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
-        return fields[0], fields[1]
-
-    def _layout_of(self, fields: Fields) -> KvLayout:
-        keys, values = fields
-        B, H, _, k_dim = keys.shape
-        return KvLayout(B, H, k_dim, values.shape[3], self.dtype_name(keys.dtype))
 
     def signature(self) -> str:
         return f"kv:rotating:{self.max_size}:{self.keep}"

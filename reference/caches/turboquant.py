@@ -12,8 +12,9 @@ import numpy as np
 
 from kvspec.reference import turboquant
 from kvspec.reference.caches.attention import attention
-from kvspec.reference.caches.kv import Fields, GrowingStorage, KVCache
+from kvspec.reference.caches.kv import GrowingStorage, KVCache
 from kvspec.reference.caches.protocol import KvLayout, Mask, Read, require
+from kvspec.reference.caches.storage import Fields
 
 #: How the append reads attend (TQC-4): over decoded values, or over rotated values with
 #: the output unrotated.
