@@ -34,6 +34,8 @@ from kvspec.reference.turboquant import (
     SIGNED_KEY_LIMIT,
     TREE_WIDTHS,
     VALUE_BITS,
+    check_key_bits,
+    check_value_bits,
     codebook_id,
     packed_dim,
     validate_head_dim,
@@ -105,16 +107,6 @@ def boundaries(bits: int) -> mx.array:
 # TQ-3 Validation
 
 
-def _check_key_bits(bits: int) -> None:
-    if bits not in KEY_BITS:
-        raise ValueError(f"key bits must be one of {KEY_BITS}, got {bits}")
-
-
-def _check_value_bits(bits: int) -> None:
-    if bits not in VALUE_BITS:
-        raise ValueError(f"value bits must be one of {VALUE_BITS}, got {bits}")
-
-
 def validate(x: mx.array, what: str) -> None:
     """Reject input the format cannot hold, before anything is computed (TQ-3)."""
     dtype_name(x.dtype)
@@ -151,7 +143,7 @@ def _check_group_fields(head_dim: int, *fields: mx.array) -> None:
 
 def encode_keys(k: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """(indices, scales, zeros) of keys [..., D] (TQ-4)."""
-    _check_key_bits(bits)
+    check_key_bits(bits)
     validate(k, "keys")
     signed = bits == SIGNED_KEY_BITS
     levels = float(2 * SIGNED_KEY_LIMIT if signed else 2**bits - 1)
@@ -237,7 +229,7 @@ def _count_below(u: mx.array, bits: int) -> mx.array:
 
 def encode_values(v: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     """(indices, scales) of values [..., D] (TQ-7)."""
-    _check_value_bits(bits)
+    check_value_bits(bits)
     validate(v, "values")
     y = rotate(v)
     rms = group_rms(y)
@@ -300,8 +292,8 @@ class TurboQuantTensor:
 
 def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTensor:
     """Encode keys and values [B, H, L, D] into one TurboQuantTensor (TQ-10)."""
-    _check_key_bits(k_bits)
-    _check_value_bits(v_bits)
+    check_key_bits(k_bits)
+    check_value_bits(v_bits)
     if k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
         raise ValueError(
             f"keys and values must share one [B, H, L, D] shape, got {tuple(k.shape)} "

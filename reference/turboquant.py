@@ -66,20 +66,21 @@ def inv_sqrt(head_dim: int) -> np.float32:
 # TQ-2 Codebooks
 
 
-def _check_value_bits(bits: int) -> None:
+def check_value_bits(bits: int) -> None:
+    """Reject a value width without a codebook (TQ-2, TQ-3)."""
     if bits not in VALUE_BITS:
         raise ValueError(f"value bits must be one of {VALUE_BITS}, got {bits}")
 
 
 def codebook_id(bits: int) -> str:
     """The id of the codebook used at `bits` (TQ-2)."""
-    _check_value_bits(bits)
+    check_value_bits(bits)
     return CODEBOOK_IDS[bits]
 
 
 def centroids(bits: int) -> np.ndarray:
     """The 2^bits float32 centroids, ascending: the mirrored positive half, then it (TQ-2)."""
-    _check_value_bits(bits)
+    check_value_bits(bits)
     positive = np.array(POSITIVE_CENTROID_BITS[bits], np.uint32).view(FLOAT32)
     return np.concatenate([-positive[::-1], positive])
 
@@ -94,7 +95,8 @@ def boundaries(bits: int) -> np.ndarray:
 # TQ-3 Validation
 
 
-def _check_key_bits(bits: int) -> None:
+def check_key_bits(bits: int) -> None:
+    """Reject an unsupported key width (TQ-3, TQ-4)."""
     if bits not in KEY_BITS:
         raise ValueError(f"key bits must be one of {KEY_BITS}, got {bits}")
 
@@ -132,7 +134,7 @@ def encode_keys(k: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     indices: [..., D], int8 in [-127, 127] at 8 bits, else uint8 in [0, 2^bits - 1];
     scales, zeros: float16 [..., D / 32].
     """
-    _check_key_bits(bits)
+    check_key_bits(bits)
     validate(k, "keys")
     signed = bits == SIGNED_KEY_BITS
     levels = np.float32(2 * SIGNED_KEY_LIMIT if signed else 2**bits - 1)
@@ -249,7 +251,7 @@ def encode_values(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     indices: uint8 [..., D], each the number of codebook boundaries strictly below
     u = y / (rms + EPS); scales: float16 rms [..., D / 32].
     """
-    _check_value_bits(bits)
+    check_value_bits(bits)
     validate(v, "values")
     with np.errstate(over="ignore", invalid="ignore"):  # rejected through the rms
         y = rotate(v)
@@ -336,8 +338,8 @@ class TurboQuantTensor:
 
 def encode(k: np.ndarray, v: np.ndarray, k_bits: int, v_bits: int) -> TurboQuantTensor:
     """Encode keys and values [B, H, L, D] into one TurboQuantTensor (TQ-10)."""
-    _check_key_bits(k_bits)
-    _check_value_bits(v_bits)
+    check_key_bits(k_bits)
+    check_value_bits(v_bits)
     if k.ndim != 4 or k.shape != v.shape:
         raise ValueError(
             f"keys and values must share one [B, H, L, D] shape, got {k.shape} and {v.shape}"
