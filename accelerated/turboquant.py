@@ -107,21 +107,39 @@ def boundaries(bits: int) -> mx.array:
 # TQ-3 Validation
 
 
-def validate(x: mx.array, what: str) -> None:
-    """Reject input the format cannot hold, before anything is computed (TQ-3)."""
+#: A lazy all-true flag and the message of the ValueError it raises when false.
+Check = tuple[mx.array, str]
+
+
+def _check_layout(x: mx.array, what: str) -> None:
     dtype_name(x.dtype)
     if x.ndim < 1:
         raise ValueError(f"{what} must have a head_dim axis, got shape {tuple(x.shape)}")
     validate_head_dim(x.shape[-1])
-    if not mx.all(mx.isfinite(x)).item():
-        raise ValueError(f"{what} hold NaN or inf, which the format cannot store")
 
 
-def _store_float16(x32: mx.array, field: str) -> mx.array:
+def _finite(x: mx.array, what: str) -> Check:
+    return mx.all(mx.isfinite(x)), f"{what} hold NaN or inf, which the format cannot store"
+
+
+def _float16_field(x32: mx.array, field: str) -> tuple[mx.array, Check]:
     stored = narrow(x32, FLOAT16)
-    if not mx.all(mx.isfinite(stored)).item():
-        raise ValueError(f"a {field} is beyond the float16 range; the format cannot store it")
-    return stored
+    message = f"a {field} is beyond the float16 range; the format cannot store it"
+    return stored, (mx.all(mx.isfinite(stored)), message)
+
+
+def _raise_first(checks: list[Check]) -> None:
+    """Evaluate every check in one host sync, then raise the first that fails (TQ-3)."""
+    mx.eval([passed for passed, _ in checks])
+    for passed, message in checks:
+        if not passed.item():
+            raise ValueError(message)
+
+
+def validate(x: mx.array, what: str) -> None:
+    """Reject input the format cannot hold, before anything is computed (TQ-3)."""
+    _check_layout(x, what)
+    _raise_first([_finite(x, what)])
 
 
 def _grouped(x: mx.array) -> mx.array:
@@ -141,10 +159,8 @@ def _check_group_fields(head_dim: int, *fields: mx.array) -> None:
 # TQ-4, TQ-5 Keys
 
 
-def encode_keys(k: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """(indices, scales, zeros) of keys [..., D] (TQ-4)."""
-    check_key_bits(bits)
-    validate(k, "keys")
+def _key_fields(k: mx.array, bits: int) -> tuple[tuple[mx.array, ...], list[Check]]:
+    """encode_keys' fields and its float16 checks, not yet evaluated (TQ-4)."""
     signed = bits == SIGNED_KEY_BITS
     levels = float(2 * SIGNED_KEY_LIMIT if signed else 2**bits - 1)
     x = _grouped(widen(k))
@@ -161,15 +177,25 @@ def encode_keys(k: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     sign = mx.where(top > 0, 1.0, mx.where(top < 0, -1.0, 0.0))
     scale = mx.where(constant, mx.abs(top), scale)
     zero = mx.where(constant, 0.0 if signed else mx.minimum(sign, 0.0), zero)
-    scales = _store_float16(scale, "key scale")
-    zeros = _store_float16(zero, "key zero point")
+    scales, scales_fit = _float16_field(scale, "key scale")
+    zeros, zeros_fit = _float16_field(zero, "key zero point")
     codes = mx.round(x / step[..., None] - zero[..., None])
     codes = mx.where(constant[..., None], (sign - zero)[..., None], codes)
     if signed:
         indices = mx.clip(codes, -SIGNED_KEY_LIMIT, SIGNED_KEY_LIMIT).astype(mx.int8)
     else:
         indices = mx.clip(codes, 0.0, levels).astype(mx.uint8)
-    return indices.reshape(k.shape), scales, zeros
+    return (indices.reshape(k.shape), scales, zeros), [scales_fit, zeros_fit]
+
+
+def encode_keys(k: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(indices, scales, zeros) of keys [..., D] (TQ-4)."""
+    check_key_bits(bits)
+    _check_layout(k, "keys")
+    fields, checks = _key_fields(k, bits)
+    _raise_first([_finite(k, "keys"), *checks])
+    indices, scales, zeros = fields
+    return indices, scales, zeros
 
 
 def decode_keys(indices: mx.array, scales: mx.array, zeros: mx.array) -> mx.array:
@@ -227,27 +253,39 @@ def _count_below(u: mx.array, bits: int) -> mx.array:
     return count.astype(mx.uint8)
 
 
+def _value_fields(v: mx.array, bits: int) -> tuple[tuple[mx.array, ...], list[Check]]:
+    """encode_values' fields and its float16 check, not yet evaluated (TQ-7)."""
+    y = rotate(v)
+    rms = group_rms(y)
+    scales, scales_fit = _float16_field(rms, "value scale (group rms)")
+    u = _grouped(y) / (rms + EPS.item())[..., None]
+    return (_count_below(u, bits).reshape(v.shape), scales), [scales_fit]
+
+
 def encode_values(v: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     """(indices, scales) of values [..., D] (TQ-7)."""
     check_value_bits(bits)
-    validate(v, "values")
-    y = rotate(v)
-    rms = group_rms(y)
-    scales = _store_float16(rms, "value scale (group rms)")
-    u = _grouped(y) / (rms + EPS.item())[..., None]
-    return _count_below(u, bits).reshape(v.shape), scales
+    _check_layout(v, "values")
+    fields, checks = _value_fields(v, bits)
+    _raise_first([_finite(v, "values"), *checks])
+    indices, scales = fields
+    return indices, scales
+
+
+def _centroid_values(indices: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """centroid[index] * scale for indices known to be below 2^bits (TQ-8)."""
+    *lead, D = indices.shape
+    coded = _grouped(mx.take(centroids(bits), indices.astype(mx.uint32)))
+    return (coded * widen(scales)[..., None]).reshape(*lead, D)
 
 
 def decode_values_rotated(indices: mx.array, scales: mx.array, bits: int) -> mx.array:
     """float32 values left in the rotated domain: centroid[index] * scale (TQ-8)."""
-    *lead, D = indices.shape
-    _check_group_fields(D, scales)
+    _check_group_fields(indices.shape[-1], scales)
     levels = centroids(bits)
-    wide = indices.astype(mx.uint32)
-    if mx.any(wide >= levels.size).item():
+    if mx.any(indices.astype(mx.uint32) >= levels.size).item():
         raise ValueError(f"a value index is beyond the {levels.size} centroids")
-    coded = _grouped(mx.take(levels, wide))
-    return (coded * widen(scales)[..., None]).reshape(*lead, D)
+    return _centroid_values(indices, scales, bits)
 
 
 def decode_values(indices: mx.array, scales: mx.array, bits: int) -> mx.array:
@@ -299,10 +337,12 @@ def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTens
             f"keys and values must share one [B, H, L, D] shape, got {tuple(k.shape)} "
             f"and {tuple(v.shape)}"
         )
-    validate(k, "keys")
-    validate(v, "values")
-    k_indices, k_scales, k_zeros = encode_keys(k, k_bits)
-    v_indices, v_scales = encode_values(v, v_bits)
+    _check_layout(k, "keys")
+    _check_layout(v, "values")
+    (k_indices, k_scales, k_zeros), key_checks = _key_fields(k, k_bits)
+    (v_indices, v_scales), value_checks = _value_fields(v, v_bits)
+    # One host sync for all of TQ-3, in the reference's order of checks.
+    _raise_first([_finite(k, "keys"), _finite(v, "values"), *key_checks, *value_checks])
     return TurboQuantTensor(
         k_idx=pack_bits(k_indices, k_bits),
         k_scales=k_scales,
@@ -372,9 +412,9 @@ def decode_plain(
     head_dim: int,
     defer_v: bool,
 ) -> tuple[mx.array, mx.array]:
-    """decode's unfused path: unpack, then decode keys and values with MLX ops (TQ-10)."""
+    """decode's unfused path: unpack, then decode keys and values with MLX ops (TQ-10).
+    Unpacked codes are below 2^bits, so no index check (and no host sync) is needed."""
     keys = decode_keys(unpack_bits(k_idx, k_bits, head_dim), k_scales, k_zeros)
-    v_indices = unpack_bits(v_packed, v_bits, head_dim)
-    if defer_v:
-        return keys, decode_values_rotated(v_indices, v_scales, v_bits)
-    return keys, decode_values(v_indices, v_scales, v_bits)
+    _check_group_fields(head_dim, v_scales)
+    rotated = _centroid_values(unpack_bits(v_packed, v_bits, head_dim), v_scales, v_bits)
+    return keys, rotated if defer_v else unrotate(rotated)

@@ -4,6 +4,8 @@ trimming then appending equals never having appended the trimmed positions."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,6 +47,16 @@ def _state_equal(backend, a, b, what: str) -> None:
         assert_same_bits(backend.to_numpy(x), backend.to_numpy(y), f"{what} slot {slot}")
 
 
+def _append_in_pieces(backend, cache, k: np.ndarray, v: np.ndarray, lengths) -> None:
+    start = 0
+    for length in lengths:
+        piece = slice(start, start + length)
+        cache.update_and_fetch(
+            backend.from_numpy(k[:, :, piece]), backend.from_numpy(v[:, :, piece])
+        )
+        start += length
+
+
 @given(make=growing, lengths=pieces, seed=st.integers(0, 2**32 - 1))
 def test_growing_span_at_once_equals_pieces(backend, make, lengths, seed) -> None:
     """CACHE-4: positions are encoded one by one, so the split does not matter."""
@@ -53,13 +65,7 @@ def test_growing_span_at_once_equals_pieces(backend, make, lengths, seed) -> Non
     caches = backend.module("caches")
     once, split = make(caches), make(caches)
     once.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
-    start = 0
-    for length in lengths:
-        piece = slice(start, start + length)
-        split.update_and_fetch(
-            backend.from_numpy(k[:, :, piece]), backend.from_numpy(v[:, :, piece])
-        )
-        start += length
+    _append_in_pieces(backend, split, k, v, lengths)
     _state_equal(backend, once, split, "state")
 
 
@@ -72,13 +78,7 @@ def test_ring_span_at_once_equals_pieces_before_eviction(backend, make, lengths,
     caches = backend.module("caches")
     once, split = make(caches), make(caches)
     once.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
-    start = 0
-    for length in lengths:
-        piece = slice(start, start + length)
-        split.update_and_fetch(
-            backend.from_numpy(k[:, :, piece]), backend.from_numpy(v[:, :, piece])
-        )
-        start += length
+    _append_in_pieces(backend, split, k, v, lengths)
     assert once.offset == split.offset == once.ring_index == split.ring_index
     _fetch_equal(backend, once, split, "fetch")
 
@@ -106,3 +106,17 @@ def test_trim_then_append_equals_never_appended(backend, make, first, dropped, t
         cache.update_and_fetch(backend.from_numpy(c[0]), backend.from_numpy(c[1]))
     assert trimmed.offset == direct.offset
     _fetch_equal(backend, trimmed, direct, "fetch")
+
+
+@pytest.mark.parametrize("read", ["append_decode", "append_window", "update_and_fetch"])
+def test_an_append_encodes_its_positions_once(backend, read) -> None:
+    """READ-2, READ-3: the append checks its input while it encodes it, so each append
+    runs the codec once (an encode costs a pass and, on MLX, a host sync)."""
+    caches = backend.module("caches")
+    for cache in (caches.QuantizedKVCache(32, 4), caches.TurboQuantKVCache(4, 3)):
+        calls = []
+        encode = cache._encode
+        cache._encode = lambda k, v, encode=encode, calls=calls: calls.append(1) or encode(k, v)
+        k, v = random_kv(0, (1, 2, 1, 64), 64, BFLOAT16)
+        getattr(cache, read)(backend.from_numpy(k), backend.from_numpy(v))
+        assert len(calls) == 1, f"{type(cache).__name__}.{read} encoded {len(calls)} times"

@@ -57,6 +57,13 @@ class PositionwiseRead:
         return self.xp.concatenate(outputs, axis=2)
 
 
+def _positions(k: np.ndarray) -> int:
+    """L of keys [B, H, L, D] (CACHE-2)."""
+    if k.ndim != 4:
+        raise ValueError(f"keys must be [B, H, L, D], got shape {tuple(k.shape)}")
+    return k.shape[2]
+
+
 class ReadMethods(Cache[np.ndarray]):
     """The reads of a storage cache as methods (READ-2 .. READ-6), and what every storage
     computes with. Arrays are made and joined through `xp` (`np.zeros(shape, dtype)` and
@@ -85,17 +92,18 @@ class ReadMethods(Cache[np.ndarray]):
         return self.dense_read(keys, values, mask)
 
     def append_decode(self, k: np.ndarray, v: np.ndarray) -> Read:
-        """Append one position; its query sees the whole fetched window, no mask (READ-2)."""
-        self.check_append(k, v)
-        if k.shape[2] != 1:
+        """Append one position; its query sees the whole fetched window, no mask (READ-2).
+        The append itself checks the input (CACHE-2) before it changes anything, so the
+        positions are encoded once."""
+        if _positions(k) != 1:
             raise ValueError(f"a decode appends one position, got {k.shape[2]}")
         return self.append_and_read(k, v, None)
 
     def append_window(self, k: np.ndarray, v: np.ndarray) -> Read:
         """Append L positions; causal, and windowed on a ring (READ-3). The mask is the cache's
-        `make_mask(L, None)` taken before the append (MASK-2, MASK-3)."""
-        self.check_append(k, v)
-        mask = self.make_mask(k.shape[2], None)
+        `make_mask(L, None)` taken before the append (MASK-2, MASK-3), which itself checks
+        the input (CACHE-2) before it changes anything."""
+        mask = self.make_mask(_positions(k), None)
         return self.append_and_read(k, v, mask)
 
     def append_committed(self, k: np.ndarray, v: np.ndarray) -> Read:
