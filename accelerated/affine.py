@@ -17,10 +17,16 @@ import mlx.core as mx
 
 from kvspec.accelerated import affine_kernels
 from kvspec.accelerated import bits as bitstream
-from kvspec.accelerated.dtypes import dtype_name, narrow, widen
-from kvspec.reference.affine import EPS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from kvspec.accelerated.dtypes import dtype_name, narrow, quiet_nan, widen
+from kvspec.reference.affine import (
+    DEFERRED_CHECKS,
+    EPS,
+    SUPPORTED_BITS,
+    SUPPORTED_GROUP_SIZES,
+)
 
 __all__ = [
+    "DEFERRED_CHECKS",
     "ENCODERS",
     "EPS",
     "SUPPORTED_BITS",
@@ -30,7 +36,10 @@ __all__ = [
     "group_codes",
     "group_parameters",
     "quantize",
+    "quantize_deferred",
+    "unchecked_group_parameters",
     "validate",
+    "validate_layout",
 ]
 
 
@@ -66,14 +75,25 @@ def validate(w: mx.array, group_size: int, bits: int) -> None:
     _reject_nonfinite(w)
 
 
-NONFINITE_MESSAGE = "input holds NaN or inf, which the format cannot store"
-OVERFLOW_MESSAGE = "a group's range or edge / scale overflows float32"
+NONFINITE_MESSAGE = DEFERRED_CHECKS[0]
+OVERFLOW_MESSAGE = DEFERRED_CHECKS[1]
 # Below this magnitude no group can overflow (AFF-7 needs |edge| > 3.4e38 * eps).
 OVERFLOW_FREE = 2.0**100
 
 
 def group_parameters(groups: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     """float32 scale and bias of each group (last axis) (AFF-2, AFF-3, AFF-7)."""
+    scale, bias, span, q0 = unchecked_group_parameters(groups, bits)
+    if not mx.all(mx.isfinite(span) & mx.isfinite(q0)).item():
+        raise ValueError(OVERFLOW_MESSAGE)
+    return scale, bias
+
+
+def unchecked_group_parameters(
+    groups: mx.array, bits: int
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """AFF-2, AFF-3 without AFF-7's overflow checks: scale, bias, and the range and q0
+    those checks read."""
     n_bins = float(2**bits - 1)
     w_min = mx.min(groups, axis=-1)
     w_max = mx.max(groups, axis=-1)
@@ -83,13 +103,11 @@ def group_parameters(groups: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     scale = mx.where(negative, scale, -scale)
     edge = mx.where(negative, w_min, w_max)
     q0 = mx.round(edge / scale)
-    if not mx.all(mx.isfinite(span) & mx.isfinite(q0)).item():
-        raise ValueError(OVERFLOW_MESSAGE)
     edge_on_grid = q0 != 0
     safe_q0 = mx.where(edge_on_grid, q0, 1.0)
     scale = mx.where(edge_on_grid, edge / safe_q0, scale)
     bias = mx.where(edge_on_grid, edge, 0.0)
-    return scale, bias
+    return scale, bias, span, q0
 
 
 def group_codes(groups: mx.array, scale: mx.array, bias: mx.array, bits: int) -> mx.array:
@@ -122,10 +140,8 @@ def _quantize_mlx_cpu(
 def _quantize_cuda(w: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     wq, scales, biases, status = affine_kernels.quantize_groups(w, group_size, bits)
     worst = mx.max(status).item()
-    if worst == affine_kernels.NONFINITE:
-        raise ValueError(NONFINITE_MESSAGE)
-    if worst == affine_kernels.OVERFLOW:
-        raise ValueError(OVERFLOW_MESSAGE)
+    if worst:
+        raise ValueError(DEFERRED_CHECKS[len(DEFERRED_CHECKS) - worst])
     return wq, scales, biases
 
 
@@ -165,6 +181,40 @@ def quantize(
             mx.zeros(groups, w.dtype),
         )
     return ENCODERS[name](w, group_size, bits)
+
+
+def _quantize_deferred_ops(
+    w: mx.array, group_size: int, bits: int
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    *lead, D = w.shape
+    groups = widen(w).reshape(*lead, D // group_size, group_size)
+    nonfinite = ~mx.all(mx.isfinite(groups), axis=-1)
+    finite_groups = mx.where(nonfinite[..., None], 0.0, groups)
+    _, _, span, q0 = unchecked_group_parameters(finite_groups, bits)
+    overflow = ~(mx.isfinite(span) & mx.isfinite(q0))
+    failed = nonfinite | overflow
+    held = mx.where(failed[..., None], 0.0, groups)
+    scale, bias, _, _ = unchecked_group_parameters(held, bits)
+    codes = group_codes(held, scale, bias, bits).reshape(*lead, D)
+    scales = mx.where(failed, quiet_nan(w.dtype), narrow(scale, w.dtype))
+    failure = mx.where(mx.any(nonfinite), 2, mx.where(mx.any(overflow), 1, 0))
+    return bitstream.pack_words(codes, bits), scales, narrow(bias, w.dtype), failure
+
+
+def quantize_deferred(
+    w: mx.array, group_size: int = 64, bits: int = 4
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(wq, scales, biases, failure) with no host read: groups AFF-1 or AFF-7 would reject
+    stored as codes 0, bias 0 and a quiet NaN scale (DEFER-1), and a lazy uint32 failure
+    rank (DEFER-2). On CUDA one kernel; elsewhere MLX operations, the same bits."""
+    validate_layout(w, group_size, bits)
+    if w.size == 0:
+        return (*quantize(w, group_size, bits), mx.array(0, mx.uint32))
+    if _default_encoder() == "cuda":
+        wq, scales, biases, status = affine_kernels.quantize_groups(w, group_size, bits)
+        return wq, scales, biases, mx.max(status).astype(mx.uint32)
+    wq, scales, biases, failure = _quantize_deferred_ops(w, group_size, bits)
+    return wq, scales, biases, failure.astype(mx.uint32)
 
 
 def dequantize(

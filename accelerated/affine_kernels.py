@@ -5,8 +5,9 @@ packed into the group's own words (a group of 32, 64 or 128 codes fills whole wo
 at every width), one word per lane. Every float step is an explicitly rounded IEEE
 intrinsic (`__fsub_rn`, `__fdiv_rn`, `rintf`), so neither compiler flags nor
 contraction can change a bit.
-The kernel also reports, per group, input the format cannot hold (AFF-1, AFF-7):
-2 for NaN or inf, 1 for a range or edge / scale that overflows float32.
+The kernel also reports, per group, input the format cannot hold (AFF-1, AFF-7) as its
+DEFER-2 failure rank: 2 for NaN or inf, 1 for a range or edge / scale that overflows
+float32; such a group is stored as DEFER-1 says (codes 0, bias 0, a quiet NaN scale).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from functools import cache
 
 import mlx.core as mx
 
-NONFINITE = 2
-OVERFLOW = 1
+from kvspec.accelerated.dtypes import dtype_name
+from kvspec.reference.dtypes import QUIET_NAN_BITS
+
 _WARPS_PER_BLOCK = 8  # as in the kernel source
 
 _SOURCE = r"""
@@ -57,10 +59,11 @@ _SOURCE = r"""
         scale = __fdiv_rn(edge, q0);
         bias = edge;
     }
+    const unsigned char failure = !finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
     unsigned char* own = codes + warp * GROUP;
     for (int k = 0; k < PER_LANE; ++k) {
         float q = rintf(__fdiv_rn(__fsub_rn(x[k], bias), scale));
-        own[lane + 32 * k] = (unsigned char)fminf(fmaxf(q, 0.0f), n_bins);
+        own[lane + 32 * k] = failure ? 0 : (unsigned char)fminf(fmaxf(q, 0.0f), n_bins);
     }
     __syncwarp();
     if (lane < WORDS) {
@@ -74,9 +77,12 @@ _SOURCE = r"""
         wq[group * WORDS + lane] = word;
     }
     if (lane == 0) {
-        scales[group] = static_cast<T>(scale);
-        biases[group] = static_cast<T>(bias);
-        status[group] = !finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
+        T nan_value;
+        const unsigned int nan_bits = NAN_BITS;
+        memcpy(&nan_value, &nan_bits, sizeof(T));  // little-endian: the low bytes
+        scales[group] = failure ? nan_value : static_cast<T>(scale);
+        biases[group] = static_cast<T>(failure ? 0.0f : bias);
+        status[group] = failure;
     }
 """
 
@@ -94,12 +100,17 @@ def _kernel() -> object:
 def quantize_groups(
     w: mx.array, group_size: int, bits: int
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """(wq, scales, biases, status) of `w` [..., D]; status per group as above."""
+    """(wq, scales, biases, status) of `w` [..., D]; status (uint8) per group as above."""
     *lead, D = w.shape
     n_groups = w.size // group_size
     return _kernel()(
         inputs=[w, mx.array([n_groups], dtype=mx.uint32)],
-        template=[("T", w.dtype), ("GROUP", group_size), ("BITS", bits)],
+        template=[
+            ("T", w.dtype),
+            ("GROUP", group_size),
+            ("BITS", bits),
+            ("NAN_BITS", QUIET_NAN_BITS[dtype_name(w.dtype)]),
+        ],
         grid=(n_groups * 32, 1, 1),
         threadgroup=(_WARPS_PER_BLOCK * 32, 1, 1),
         output_shapes=[(*lead, D * bits // 32)] + [(*lead, D // group_size)] * 3,

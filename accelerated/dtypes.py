@@ -41,6 +41,14 @@ def narrow(x32: mx.array, dtype: mx.Dtype) -> mx.array:
     return x32.astype(dtype)
 
 
+def quiet_nan(dtype: mx.Dtype) -> mx.array:
+    """The 0-d array of `dtype` holding the spec's quiet NaN bits (DEFER-1); built from the
+    bits, since MLX's own float16 NaN conversion sets other ones."""
+    name = dtype_name(dtype)
+    unsigned = mx.uint32 if name == "float32" else mx.uint16
+    return mx.array(reference_dtypes.QUIET_NAN_BITS[name], unsigned).view(dtype)
+
+
 def to_numpy(x: mx.array) -> np.ndarray:
     """The same bits as a NumPy array (bfloat16 through ml_dtypes)."""
     if x.dtype in _BITS_VIEW:

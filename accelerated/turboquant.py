@@ -15,18 +15,19 @@ unpacks and decodes keys and values with the same float32 operations.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
 import mlx.core as mx
 
 from kvspec.accelerated import bits as bitstream
-from kvspec.accelerated.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, widen
-from kvspec.accelerated.turboquant_kernels import fused_decode
+from kvspec.accelerated.device import fused_kernels_enabled
+from kvspec.accelerated.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, quiet_nan, widen
+from kvspec.accelerated.turboquant_kernels import fused_decode, fused_encode
 from kvspec.reference import turboquant as reference
 from kvspec.reference.turboquant import (
     BLOCK_SIZE,
+    DEFERRED_CHECKS,
     EPS,
     HEAD_DIMS,
     KEY_BITS,
@@ -43,6 +44,7 @@ from kvspec.reference.turboquant import (
 
 __all__ = [
     "BLOCK_SIZE",
+    "DEFERRED_CHECKS",
     "EPS",
     "HEAD_DIMS",
     "KEY_BITS",
@@ -57,12 +59,13 @@ __all__ = [
     "decode_values",
     "decode_values_rotated",
     "encode",
+    "encode_deferred",
     "encode_keys",
     "encode_values",
-    "fused_decode_enabled",
     "group_rms",
     "hadamard",
     "inv_sqrt",
+    "key_codes",
     "pack_bits",
     "packed_dim",
     "rotate",
@@ -72,10 +75,8 @@ __all__ = [
     "unrotate",
     "validate",
     "validate_head_dim",
+    "value_codes",
 ]
-
-#: Set to "0" to decode with plain MLX ops on CUDA too (for comparisons and triage).
-FUSED_DECODE_ENV = "KVSPEC_TURBOQUANT_FUSED_DECODE"
 
 
 # TQ-1, TQ-2 Constants, from the reference's frozen tables
@@ -159,11 +160,11 @@ def _check_group_fields(head_dim: int, *fields: mx.array) -> None:
 # TQ-4, TQ-5 Keys
 
 
-def _key_fields(k: mx.array, bits: int) -> tuple[tuple[mx.array, ...], list[Check]]:
-    """encode_keys' fields and its float16 checks, not yet evaluated (TQ-4)."""
+def key_codes(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """TQ-4 without TQ-3's checks: float32 codes (clipped), scale and zero point of each
+    32-group of finite keys x [..., D / 32, 32]."""
     signed = bits == SIGNED_KEY_BITS
     levels = float(2 * SIGNED_KEY_LIMIT if signed else 2**bits - 1)
-    x = _grouped(widen(k))
     top = mx.max(x, axis=-1)
     bottom = mx.min(x, axis=-1)
     span = top - bottom
@@ -177,15 +178,25 @@ def _key_fields(k: mx.array, bits: int) -> tuple[tuple[mx.array, ...], list[Chec
     sign = mx.where(top > 0, 1.0, mx.where(top < 0, -1.0, 0.0))
     scale = mx.where(constant, mx.abs(top), scale)
     zero = mx.where(constant, 0.0 if signed else mx.minimum(sign, 0.0), zero)
-    scales, scales_fit = _float16_field(scale, "key scale")
-    zeros, zeros_fit = _float16_field(zero, "key zero point")
     codes = mx.round(x / step[..., None] - zero[..., None])
     codes = mx.where(constant[..., None], (sign - zero)[..., None], codes)
-    if signed:
-        indices = mx.clip(codes, -SIGNED_KEY_LIMIT, SIGNED_KEY_LIMIT).astype(mx.int8)
-    else:
-        indices = mx.clip(codes, 0.0, levels).astype(mx.uint8)
-    return (indices.reshape(k.shape), scales, zeros), [scales_fit, zeros_fit]
+    low = -SIGNED_KEY_LIMIT if signed else 0.0
+    high = SIGNED_KEY_LIMIT if signed else levels
+    return mx.clip(codes, low, high), scale, zero
+
+
+def _key_indices(codes: mx.array, bits: int) -> mx.array:
+    *lead, groups, size = codes.shape
+    stored_dtype = mx.int8 if bits == SIGNED_KEY_BITS else mx.uint8
+    return codes.astype(stored_dtype).reshape(*lead, groups * size)
+
+
+def _key_fields(k: mx.array, bits: int) -> tuple[tuple[mx.array, ...], list[Check]]:
+    """encode_keys' fields and its float16 checks, not yet evaluated (TQ-4)."""
+    codes, scale, zero = key_codes(_grouped(widen(k)), bits)
+    scales, scales_fit = _float16_field(scale, "key scale")
+    zeros, zeros_fit = _float16_field(zero, "key zero point")
+    return (_key_indices(codes, bits), scales, zeros), [scales_fit, zeros_fit]
 
 
 def encode_keys(k: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -253,13 +264,19 @@ def _count_below(u: mx.array, bits: int) -> mx.array:
     return count.astype(mx.uint8)
 
 
-def _value_fields(v: mx.array, bits: int) -> tuple[tuple[mx.array, ...], list[Check]]:
-    """encode_values' fields and its float16 check, not yet evaluated (TQ-7)."""
+def value_codes(v: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """TQ-7 without TQ-3's checks: uint8 indices [..., D] and the float32 group rms."""
     y = rotate(v)
     rms = group_rms(y)
-    scales, scales_fit = _float16_field(rms, "value scale (group rms)")
     u = _grouped(y) / (rms + EPS.item())[..., None]
-    return (_count_below(u, bits).reshape(v.shape), scales), [scales_fit]
+    return _count_below(u, bits).reshape(v.shape), rms
+
+
+def _value_fields(v: mx.array, bits: int) -> tuple[tuple[mx.array, ...], list[Check]]:
+    """encode_values' fields and its float16 check, not yet evaluated (TQ-7)."""
+    indices, rms = value_codes(v, bits)
+    scales, scales_fit = _float16_field(rms, "value scale (group rms)")
+    return (indices, scales), [scales_fit]
 
 
 def encode_values(v: mx.array, bits: int) -> tuple[mx.array, mx.array]:
@@ -328,8 +345,7 @@ class TurboQuantTensor:
     v_scales: mx.array
 
 
-def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTensor:
-    """Encode keys and values [B, H, L, D] into one TurboQuantTensor (TQ-10)."""
+def _check_encode_layout(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> None:
     check_key_bits(k_bits)
     check_value_bits(v_bits)
     if k.ndim != 4 or tuple(k.shape) != tuple(v.shape):
@@ -339,6 +355,26 @@ def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTens
         )
     _check_layout(k, "keys")
     _check_layout(v, "values")
+
+
+def _fused_encode(
+    k: mx.array, v: mx.array, k_bits: int, v_bits: int
+) -> tuple[TurboQuantTensor, mx.array]:
+    """The tensor and lazy uint32 failure rank from the fused CUDA kernel (DEFER-1, DEFER-2)."""
+    *fields, failures = fused_encode(k, v, boundaries(v_bits), signs(k.shape[-1]), k_bits, v_bits)
+    return TurboQuantTensor(*fields), mx.max(failures).astype(mx.uint32)
+
+
+def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTensor:
+    """Encode keys and values [B, H, L, D] into one TurboQuantTensor (TQ-10); TQ-3's checks
+    in one host read (on CUDA, one fused kernel computes fields and checks)."""
+    _check_encode_layout(k, v, k_bits, v_bits)
+    if fused_kernels_enabled() and k.size > 0:
+        tensor, failure = _fused_encode(k, v, k_bits, v_bits)
+        rank = failure.item()
+        if rank:
+            raise ValueError(DEFERRED_CHECKS[len(DEFERRED_CHECKS) - rank])
+        return tensor
     (k_indices, k_scales, k_zeros), key_checks = _key_fields(k, k_bits)
     (v_indices, v_scales), value_checks = _value_fields(v, v_bits)
     # One host sync for all of TQ-3, in the reference's order of checks.
@@ -350,6 +386,45 @@ def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTens
         v_packed=pack_bits(v_indices, v_bits),
         v_scales=v_scales,
     )
+
+
+def encode_deferred(
+    k: mx.array, v: mx.array, k_bits: int, v_bits: int
+) -> tuple[TurboQuantTensor, mx.array]:
+    """(tensor, failure) with no host read: groups TQ-3 would reject stored as DEFER-1
+    says, and a lazy uint32 failure rank (DEFER-2). On CUDA one fused kernel; elsewhere
+    MLX operations, the same bits."""
+    _check_encode_layout(k, v, k_bits, v_bits)
+    if fused_kernels_enabled() and k.size > 0:
+        return _fused_encode(k, v, k_bits, v_bits)
+    x = _grouped(widen(k))
+    key_nonfinite = ~mx.all(mx.isfinite(x), axis=-1)
+    codes, scale, zero = key_codes(mx.where(key_nonfinite[..., None], 0.0, x), k_bits)
+    scales = narrow(scale, FLOAT16)
+    zeros = narrow(zero, FLOAT16)
+    scale_beyond = ~mx.isfinite(scales)
+    zero_beyond = ~mx.isfinite(zeros)
+    key_failed = key_nonfinite | scale_beyond | zero_beyond
+    codes = mx.where(key_failed[..., None], 0.0, codes)
+    nan16 = quiet_nan(FLOAT16)
+    value_nonfinite = ~mx.all(mx.isfinite(v))
+    indices, rms = value_codes(v, v_bits)
+    v_scales = narrow(rms, FLOAT16)
+    value_failed = ~mx.isfinite(v_scales)
+    indices = mx.where(value_failed[..., None], 0, _grouped(indices)).astype(mx.uint8)
+    failed = [mx.any(key_nonfinite), value_nonfinite, mx.any(scale_beyond)]
+    failed += [mx.any(zero_beyond), mx.any(value_failed)]
+    failure = mx.array(0, mx.uint32)
+    for i, failed_here in reversed(list(enumerate(failed))):
+        failure = mx.where(failed_here, len(DEFERRED_CHECKS) - i, failure)
+    tensor = TurboQuantTensor(
+        k_idx=pack_bits(_key_indices(codes, k_bits).reshape(k.shape), k_bits),
+        k_scales=mx.where(key_failed, nan16, scales),
+        k_zeros=mx.where(key_failed, mx.array(0, FLOAT16), zeros),
+        v_packed=pack_bits(indices.reshape(v.shape), v_bits),
+        v_scales=mx.where(value_failed, nan16, v_scales),
+    )
+    return tensor, failure.astype(mx.uint32)
 
 
 def stored_bits(t: TurboQuantTensor, head_dim: int) -> tuple[int, int]:
@@ -379,13 +454,6 @@ def stored_bits(t: TurboQuantTensor, head_dim: int) -> tuple[int, int]:
     return k_bits, v_bits
 
 
-def fused_decode_enabled() -> bool:
-    """Whether decode runs the fused CUDA kernel: on a CUDA default device, unless
-    KVSPEC_TURBOQUANT_FUSED_DECODE=0."""
-    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    return on_cuda and os.environ.get(FUSED_DECODE_ENV, "1") != "0"
-
-
 def decode(
     t: TurboQuantTensor, up_to: int, head_dim: int, defer_v: bool = False
 ) -> tuple[mx.array, mx.array]:
@@ -395,7 +463,7 @@ def decode(
     if not 0 <= up_to <= length:
         raise ValueError(f"up_to {up_to} is outside the {length} stored positions")
     fields = [a[:, :, :up_to] for a in (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales)]
-    if fused_decode_enabled():
+    if fused_kernels_enabled():
         codebook = centroids(v_bits)
         return fused_decode(*fields, codebook, signs(head_dim), k_bits, v_bits, head_dim, defer_v)
     return decode_plain(*fields, k_bits, v_bits, head_dim, defer_v)

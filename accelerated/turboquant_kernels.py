@@ -16,6 +16,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 _HEADER = r"""
@@ -130,3 +131,189 @@ def fused_decode(
         output_dtypes=[mx.float32, mx.float32],
     )
     return keys, values
+
+
+# TQ-3 .. TQ-10 in one pass: each block encodes one position of one head, keys and values.
+_ENCODE_SOURCE = r"""
+    // Thread j holds element j; warp w is key group w and value group w (groups of 32).
+    const unsigned int row = blockIdx.x;
+    const unsigned int j = threadIdx.x;
+    const unsigned int lane = j & 31;
+    const unsigned int group = j >> 5;
+    const unsigned long long base = (unsigned long long)row * D;
+    const unsigned long long group_base = (unsigned long long)row * (D / 32);
+    __shared__ unsigned char key_codes[D];
+    __shared__ unsigned char value_codes[D];
+    __shared__ float lane_values[D];
+    const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
+
+    // TQ-4 keys: the group's range, scale, step and zero point, each one IEEE operation.
+    const float x = static_cast<float>(k[base + j]);
+    bool finite = isfinite(x);
+    float top = x, bottom = x;
+    for (int o = 16; o > 0; o >>= 1) {
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+        bottom = fminf(bottom, __shfl_xor_sync(0xffffffffu, bottom, o));
+    }
+    finite = __all_sync(0xffffffffu, finite);
+    const bool is_signed = KBITS == 8;
+    const float levels = is_signed ? 254.0f : (float)((1 << KBITS) - 1);
+    const float eps = 1e-8f;
+    const float span = __fsub_rn(top, bottom);
+    float scale = __fdiv_rn(span, levels);
+    const float step = __fadd_rn(scale, eps);
+    float zero = is_signed ? rintf(__fdiv_rn(__fadd_rn(top, bottom), __fmul_rn(step, 2.0f)))
+                           : rintf(__fdiv_rn(bottom, step));
+    zero = __fadd_rn(zero, 0.0f);  // a zero point of -0 is stored as +0
+    // TQ-11: a constant group stores its magnitude and its sign.
+    const bool constant = span == 0.0f;
+    const float sign = top > 0.0f ? 1.0f : (top < 0.0f ? -1.0f : 0.0f);
+    if (constant) {
+        scale = fabsf(top);
+        zero = is_signed ? 0.0f : fminf(sign, 0.0f);
+    }
+    const __half scale16 = __float2half_rn(scale);
+    const __half zero16 = __float2half_rn(zero);
+    const bool scale_fits = isfinite(__half2float(scale16));
+    const bool zero_fits = isfinite(__half2float(zero16));
+    float code = constant ? __fsub_rn(sign, zero) : rintf(__fsub_rn(__fdiv_rn(x, step), zero));
+    const bool key_ok = finite && scale_fits && zero_fits;
+    if (is_signed) {
+        code = fminf(fmaxf(code, -127.0f), 127.0f);
+    } else {
+        code = fminf(fmaxf(code, 0.0f), levels);
+    }
+    // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
+    const int key_code = key_ok ? (int)code : 0;
+    if (is_signed) {
+        k_idx[base + j] = (signed char)key_code;
+    } else {
+        key_codes[j] = (unsigned char)key_code;
+    }
+    if (lane == 0) {
+        k_scales[group_base + group] = key_ok ? scale16 : nan16;
+        k_zeros[group_base + group] = key_ok ? zero16 : __float2half_rn(0.0f);
+    }
+
+    // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
+    const float value = static_cast<float>(v[base + j]);
+    const bool value_finite = __syncthreads_and(isfinite(value));
+    lane_values[j] = __fmul_rn(value, signs[j]);
+    __syncthreads();
+    for (unsigned int h = 1; h < D; h <<= 1) {
+        if ((j & h) == 0) {
+            const float a = lane_values[j];
+            const float b = lane_values[j + h];
+            lane_values[j] = __fadd_rn(a, b);
+            lane_values[j + h] = __fsub_rn(a, b);
+        }
+        __syncthreads();
+    }
+    const float y = __fmul_rn(lane_values[j], __int_as_float(INV_SQRT_BITS));
+    // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1).
+    float partial = __fmul_rn(y, y);
+    for (int w = 16; w > 0; w >>= 1) {
+        const float other = __shfl_down_sync(0xffffffffu, partial, w);
+        if (lane < (unsigned int)w) partial = __fadd_rn(partial, other);
+    }
+    const float rms = __fsqrt_rn(__fdiv_rn(__shfl_sync(0xffffffffu, partial, 0), 32.0f));
+    const __half rms16 = __float2half_rn(rms);
+    const bool value_ok = isfinite(__half2float(rms16));
+    const float u = __fdiv_rn(y, __fadd_rn(rms, eps));
+    // The number of boundaries strictly below u, by binary search over the sorted table.
+    unsigned int count = 0;
+    for (unsigned int stride = 1u << (VBITS - 1); stride >= 1; stride >>= 1) {
+        if (boundaries[count + stride - 1] < u) count += stride;
+    }
+    value_codes[j] = value_ok ? (unsigned char)count : 0;
+    if (lane == 0) v_scales[group_base + group] = value_ok ? rms16 : nan16;
+
+    // DEFER-2: the row's failures as the number of TQ-3 checks after its first failed
+    // one, plus 1 (0: none), so that the largest over rows names the earliest check.
+    __shared__ unsigned int row_failures;
+    if (j == 0) row_failures = 0;
+    __syncthreads();
+    unsigned int bits = 0;
+    if (!finite) bits |= 1u;
+    if (!value_finite) bits |= 2u;
+    if (finite && !scale_fits) bits |= 4u;
+    if (finite && !zero_fits) bits |= 8u;
+    if (value_finite && !value_ok) bits |= 16u;
+    if (lane == 0 && bits != 0) atomicOr(&row_failures, bits);
+    __syncthreads();
+
+    // TQ-9: each vector's codes as one LSB-first byte stream; thread m writes byte m.
+    if (!is_signed && j < D * KBITS / 8) {
+        unsigned int byte = 0;
+        for (unsigned int i = (8 * j) / KBITS; i <= (8 * j + 7) / KBITS; ++i) {
+            const int shift = (int)(i * KBITS) - (int)(8 * j);
+            const unsigned int c = key_codes[i];
+            byte |= shift >= 0 ? c << shift : c >> -shift;
+        }
+        k_idx[(unsigned long long)row * (D * KBITS / 8) + j] = (unsigned char)byte;
+    }
+    if (j < D * VBITS / 8) {
+        unsigned int byte = 0;
+        for (unsigned int i = (8 * j) / VBITS; i <= (8 * j + 7) / VBITS; ++i) {
+            const int shift = (int)(i * VBITS) - (int)(8 * j);
+            const unsigned int c = value_codes[i];
+            byte |= shift >= 0 ? c << shift : c >> -shift;
+        }
+        v_packed[(unsigned long long)row * (D * VBITS / 8) + j] = (unsigned char)byte;
+    }
+    if (j == 0) {
+        failure[row] = row_failures == 0 ? 0 : (unsigned char)(CHECKS - __ffs(row_failures) + 1);
+    }
+"""
+
+
+@cache
+def _encode_kernel() -> object:
+    return mx.fast.cuda_kernel(
+        name="kvspec_turboquant_encode",
+        input_names=["k", "v", "boundaries", "signs"],
+        output_names=["k_idx", "k_scales", "k_zeros", "v_packed", "v_scales", "failure"],
+        source=_ENCODE_SOURCE,
+    )
+
+
+def fused_encode(
+    k: mx.array,
+    v: mx.array,
+    boundaries: mx.array,
+    signs: mx.array,
+    k_bits: int,
+    v_bits: int,
+) -> tuple[mx.array, ...]:
+    """The five stored fields of k, v [B, H, L, D] (TQ-10), in one launch, and per row
+    (uint8 [B, H, L]) its failure rank: 0 when every check of TQ-3 passed, else the number
+    of checks from its first failed one to the last (so the largest rank over rows names
+    the earliest failed check). Groups that fail are stored as DEFER-1 says. Shapes, dtypes
+    and widths are validated by the caller (turboquant.encode)."""
+    B, H, L, D = k.shape
+    groups = (B, H, L, D // 32)
+    k_dtype = mx.int8 if k_bits == 8 else mx.uint8
+    return tuple(
+        _encode_kernel()(
+            inputs=[k, v, boundaries, signs],
+            template=[
+                ("T", k.dtype),  # names the instance: NVRTC compiles one per input dtype
+                ("D", D),
+                ("KBITS", k_bits),
+                ("VBITS", v_bits),
+                ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
+                ("CHECKS", len(DEFERRED_CHECKS)),
+            ],
+            grid=(B * H * L * D, 1, 1),
+            threadgroup=(D, 1, 1),
+            output_shapes=[
+                (B, H, L, D * k_bits // 8),
+                groups,
+                groups,
+                (B, H, L, D * v_bits // 8),
+                groups,
+                (B, H, L),
+            ],
+            output_dtypes=[k_dtype, mx.float16, mx.float16, mx.uint8, mx.float16, mx.uint8],
+        )
+    )

@@ -44,6 +44,17 @@ def narrow(x32: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return x32.astype(dtype)
 
 
+#: The quiet NaN each format stores for a field it could not hold (DEFER-1), as bits.
+QUIET_NAN_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+def quiet_nan(dtype: np.dtype) -> np.ndarray:
+    """The 0-d array of `dtype` holding QUIET_NAN_BITS (DEFER-1)."""
+    name = dtype_name(dtype)
+    unsigned = np.uint32 if name == "float32" else np.uint16
+    return np.array(QUIET_NAN_BITS[name], unsigned).view(np.dtype(dtype))
+
+
 def unit_roundoff(dtype: np.dtype) -> float:
     """Half the distance from 1 to the next value: the relative error of one rounding (CONV-2)."""
     return float(ml_dtypes.finfo(dtype).eps) / 2

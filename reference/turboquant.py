@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvspec.reference import bits as bitstream
-from kvspec.reference.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, widen
+from kvspec.reference.deferred import failure_rank
+from kvspec.reference.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, quiet_nan, widen
 from kvspec.reference.turboquant_tables import (
     CODEBOOK_IDS,
     INV_SQRT_BITS,
@@ -136,12 +137,20 @@ def encode_keys(k: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
     """
     check_key_bits(bits)
     validate(k, "keys")
+    codes, scale, zero = key_codes(_grouped(widen(k)), bits)
+    scales = _store_float16(scale, "key scale")
+    zeros = _store_float16(zero, "key zero point")
+    return _key_indices(codes, bits).reshape(k.shape), scales, zeros
+
+
+def key_codes(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TQ-4 without TQ-3's checks: float32 codes (clipped), scale and zero point of each
+    32-group of finite keys x [..., D / 32, 32]."""
     signed = bits == SIGNED_KEY_BITS
     levels = np.float32(2 * SIGNED_KEY_LIMIT if signed else 2**bits - 1)
-    x = _grouped(widen(k))
     top = x.max(axis=-1)
     bottom = x.min(axis=-1)
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow is rejected below
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is the caller's to judge
         span = top - bottom
         scale = span / levels
         step = scale + EPS
@@ -152,26 +161,29 @@ def encode_keys(k: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nd
         else:
             zero = np.rint(bottom / step)
         zero = zero + np.float32(0)  # a zero point of -0 is stored as +0
-    # TQ-11: a constant group stores its magnitude as the scale and its sign as code
-    # plus zero point, so that it reads back as f16(c) (the formula above gives 0/EPS).
-    constant = span == 0
-    sign = np.where(top > 0, np.float32(1), np.where(top < 0, np.float32(-1), np.float32(0)))
-    scale = np.where(constant, np.abs(top), scale)
-    constant_zero = np.float32(0) if signed else np.minimum(sign, np.float32(0))
-    zero = np.where(constant, constant_zero, zero)
-    scales = _store_float16(scale, "key scale")
-    zeros = _store_float16(zero, "key zero point")
-    quotient = x / step[..., None]
-    shifted = quotient - zero[..., None]
-    codes = np.rint(shifted)
+        # TQ-11: a constant group stores its magnitude as the scale and its sign as code
+        # plus zero point, so that it reads back as f16(c) (the formula above gives 0/EPS).
+        constant = span == 0
+        sign = np.where(top > 0, np.float32(1), np.where(top < 0, np.float32(-1), np.float32(0)))
+        scale = np.where(constant, np.abs(top), scale)
+        constant_zero = np.float32(0) if signed else np.minimum(sign, np.float32(0))
+        zero = np.where(constant, constant_zero, zero)
+        quotient = x / step[..., None]
+        shifted = quotient - zero[..., None]
+        codes = np.rint(shifted)
     codes = np.where(constant[..., None], (sign - zero)[..., None], codes)
     if signed:
         codes = np.clip(codes, np.float32(-SIGNED_KEY_LIMIT), np.float32(SIGNED_KEY_LIMIT))
-        indices = codes.astype(np.int8)
     else:
         codes = np.clip(codes, np.float32(0), levels)
-        indices = codes.astype(np.uint8)
-    return indices.reshape(k.shape), scales, zeros
+    return codes, scale, zero
+
+
+def _key_indices(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Clipped float32 key codes as stored: int8 at 8 bits, else uint8 (TQ-4)."""
+    *lead, groups, size = codes.shape
+    stored_dtype = np.int8 if bits == SIGNED_KEY_BITS else np.uint8
+    return codes.astype(stored_dtype).reshape(*lead, groups * size)
 
 
 # TQ-5 Key decoding
@@ -253,15 +265,22 @@ def encode_values(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """
     check_value_bits(bits)
     validate(v, "values")
-    with np.errstate(over="ignore", invalid="ignore"):  # rejected through the rms
-        y = rotate(v)
-    rms = group_rms(y)
+    indices, rms = value_codes(v, bits)
     scales = _store_float16(rms, "value scale (group rms)")
-    denominator = rms + EPS
-    u = _grouped(y) / denominator[..., None]
+    return indices, scales
+
+
+def value_codes(v: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """TQ-7 without TQ-3's checks: uint8 indices [..., D] and the float32 group rms
+    [..., D / 32] of values v."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is the caller's to judge
+        y = rotate(v)
+        rms = group_rms(y)
+        denominator = rms + EPS
+        u = _grouped(y) / denominator[..., None]
     below = boundaries(bits) < u[..., None]
     indices = np.count_nonzero(below, axis=-1).astype(np.uint8)
-    return indices.reshape(v.shape), scales
+    return indices.reshape(v.shape), rms
 
 
 # TQ-8 Value decoding
@@ -355,6 +374,76 @@ def encode(k: np.ndarray, v: np.ndarray, k_bits: int, v_bits: int) -> TurboQuant
         v_packed=pack_bits(v_indices, v_bits),
         v_scales=v_scales,
     )
+
+
+#: TQ-3's value checks in the order encode makes them: what a deferred encode records
+#: (DEFER-2).
+DEFERRED_CHECKS = (
+    "keys hold NaN or inf, which the format cannot store",
+    "values hold NaN or inf, which the format cannot store",
+    "a key scale is beyond the float16 range; the format cannot store it",
+    "a key zero point is beyond the float16 range; the format cannot store it",
+    "a value scale (group rms) is beyond the float16 range; the format cannot store it",
+)
+
+
+def encode_deferred(
+    k: np.ndarray, v: np.ndarray, k_bits: int, v_bits: int
+) -> tuple[TurboQuantTensor, int]:
+    """(tensor, failure): encode's fields, except that each group TQ-3 would reject is
+    stored as codes 0 and a quiet NaN scale, a key group also with zero point 0 (DEFER-1):
+    a key group holding NaN or inf, or whose scale or zero point is beyond float16; a
+    value group whose rms is beyond float16 (NaN or inf in a value vector reaches every
+    group's rms through the rotation). `failure` is the rank of the earliest check of
+    DEFERRED_CHECKS that failed, 0 if none (DEFER-2). Widths, shapes and dtypes are still
+    rejected at once."""
+    check_key_bits(k_bits)
+    check_value_bits(v_bits)
+    if k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"keys and values must share one [B, H, L, D] shape, got {k.shape} and {v.shape}"
+        )
+    for x in k, v:
+        dtype_name(x.dtype)
+        validate_head_dim(x.shape[-1])
+    x = _grouped(widen(k))
+    key_nonfinite = ~np.all(np.isfinite(x), axis=-1)
+    finite_x = np.where(key_nonfinite[..., None], np.float32(0), x)
+    codes, scale, zero = key_codes(finite_x, k_bits)
+    with np.errstate(over="ignore"):  # judged just below
+        scales = narrow(scale, FLOAT16)
+        zeros = narrow(zero, FLOAT16)
+    scale_beyond = ~np.isfinite(scales)
+    zero_beyond = ~np.isfinite(zeros)
+    key_failed = key_nonfinite | scale_beyond | zero_beyond
+    codes = np.where(key_failed[..., None], np.float32(0), codes)
+    k_scales = np.where(key_failed, quiet_nan(FLOAT16), scales)
+    k_zeros = np.where(key_failed, np.float16(0), zeros)
+    value_nonfinite = not np.all(np.isfinite(widen(v)))
+    indices, rms = value_codes(v, v_bits)
+    with np.errstate(over="ignore", invalid="ignore"):  # judged just below
+        v_scales = narrow(rms, FLOAT16)
+    value_failed = ~np.isfinite(v_scales)
+    indices = np.where(value_failed[..., None], np.uint8(0), _grouped(indices)).reshape(v.shape)
+    v_scales = np.where(value_failed, quiet_nan(FLOAT16), v_scales)
+    failure = failure_rank(
+        DEFERRED_CHECKS,
+        [
+            bool(key_nonfinite.any()),
+            value_nonfinite,
+            bool(scale_beyond.any()),
+            bool(zero_beyond.any()),
+            bool(value_failed.any()),
+        ],
+    )
+    tensor = TurboQuantTensor(
+        k_idx=pack_bits(_key_indices(codes, k_bits).reshape(k.shape), k_bits),
+        k_scales=k_scales,
+        k_zeros=k_zeros,
+        v_packed=pack_bits(indices, v_bits),
+        v_scales=v_scales,
+    )
+    return tensor, failure
 
 
 def stored_bits(t: TurboQuantTensor, head_dim: int) -> tuple[int, int]:

@@ -1,27 +1,79 @@
-"""Side-by-side timings on MLX's default device, printed as ratios measured in one run.
+"""Decode-step, attention and encode timings on MLX's default device, as ratios to bare bf16
+attention measured in the same run.
 
-Each row times kvspec's accelerated path against the MLX path it stands beside
-(for the affine encoder, `mx.quantize`, which is fast but not bit-portable: spec
-AFF-9). Absolute times mean something only on the GPU machine.
+A decode step per layer is `cache.append_decode(k, v).attend(q, scale)`; LAYERS layers, each
+with its own cache, are evaluated in one `mx.eval` and the time is divided by LAYERS (one
+layer per evaluation would measure MLX's per-evaluation overhead). Beside every kind: bare
+`mx.fast.scaled_dot_product_attention` over bf16 keys and values (no append) and an
+mlx-lm-style quantized attention (4-bit g64, no append). Each read's attention alone is
+also timed against its byte floor: the bytes it must read over the plain-read bandwidth
+measured in this run. Absolute times mean something only on the GPU machine.
 
-    python tools/bench.py --positions 4096 --repeats 20
+    python tools/bench.py                       # the table at 1k .. 128k positions
+    python tools/bench.py --contexts 4096 --json rows.json
+    python tools/bench.py --quick               # tiny shapes: checks the paths run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 
-from kvspec.accelerated import affine, turboquant
+from kvspec.accelerated import affine, caches, turboquant
+
+KV_HEADS = 8
+QUERY_HEADS = 32
+HEAD_DIM = 128
+
+#: The cache kinds of the step table: a name and a factory of an empty cache of T positions'
+#: room. Every encoding cache defers its checks (DEFER-3): a decode step must not wait.
+KINDS: dict[str, Callable[[int], caches.Cache]] = {
+    "KVCache": lambda T: caches.KVCache(),
+    "RotatingKVCache": lambda T: caches.RotatingKVCache(T),
+    "QuantizedKVCache 4-bit g64": lambda T: caches.QuantizedKVCache(64, 4, checks="deferred"),
+    "QuantizedKVCache 8-bit g64": lambda T: caches.QuantizedKVCache(64, 8, checks="deferred"),
+    "RotatingQuantizedKVCache 4-bit g64": lambda T: caches.RotatingQuantizedKVCache(
+        T, 64, 4, checks="deferred"
+    ),
+    "TurboQuantKVCache k8v4 dense": lambda T: caches.TurboQuantKVCache(
+        8, 4, "dense", checks="deferred"
+    ),
+    "TurboQuantKVCache k8v4 deferred": lambda T: caches.TurboQuantKVCache(
+        8, 4, "deferred", checks="deferred"
+    ),
+    "scheme affine:4:64 (bf16-first)": lambda T: caches.composed_full_attention_cache(
+        caches.parse_scheme("affine:4:64"), 0, checks="deferred"
+    ),
+    "scheme turbo:k8v4 (bf16-first)": lambda T: caches.composed_full_attention_cache(
+        caches.parse_scheme("turbo:k8v4"), 0, checks="deferred"
+    ),
+}
 
 
-def seconds_per_call(run: Callable[[], object], repeats: int) -> float:
-    """Median wall time of one evaluated call, after one warm-up."""
-    mx.eval(run())
+@dataclass
+class Row:
+    """One measurement: per-layer microseconds, and its ratio to bare bf16 SDPA at the same
+    context; bytes are what one layer's read must touch (0 where not a read)."""
+
+    table: str
+    what: str
+    context: int
+    us: float
+    ratio: float
+    bytes_per_token: int = 0
+    floor_fraction: float = 0.0
+
+
+def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of one evaluated call of `run`, after `warmup` calls."""
+    for _ in range(warmup):
+        mx.eval(run())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -30,84 +82,175 @@ def seconds_per_call(run: Callable[[], object], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def affine_rows(positions: int, repeats: int) -> list[tuple[str, float, float]]:
-    """(what, kvspec seconds, MLX seconds) for encoding and reading KV-shaped arrays."""
-    rows = []
-    # MLX's CPU kernel on a GPU machine measures a device copy, not an encoder.
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    encoders = [e for e in affine.available_encoders() if on_cpu or e != "mlx_cpu"]
-    kv = mx.random.normal((1, 8, positions, 128)).astype(mx.bfloat16)
-    mx.eval(kv)
-    for bits in (4, 8):
-        theirs = seconds_per_call(lambda b=bits: mx.quantize(kv, group_size=64, bits=b), repeats)
-        for encoder in encoders:
-            ours = seconds_per_call(
-                lambda b=bits, e=encoder: affine.quantize(kv, 64, b, encoder=e), repeats
-            )
-            rows.append((f"affine encode {bits}-bit g64 [{encoder}] vs mx.quantize", ours, theirs))
-        stored = affine.quantize(kv, 64, bits)
-        ours = seconds_per_call(lambda s=stored, b=bits: affine.dequantize(*s, 64, b), repeats)
-        theirs = seconds_per_call(
-            lambda s=stored, b=bits: mx.dequantize(*s, group_size=64, bits=b), repeats
-        )
-        rows.append((f"affine read {bits}-bit g64 vs mx.dequantize", ours, theirs))
-    return rows
+def read_bandwidth(megabytes: int, repeats: int) -> float:
+    """Bytes per second of a plain read: a max over `megabytes` of float32."""
+    x = mx.random.uniform(shape=(megabytes * 2**18,))
+    mx.eval(x)
+    seconds = median_seconds(lambda: mx.max(x), repeats)
+    return x.nbytes / seconds
 
 
-def turboquant_rows(positions: int, repeats: int) -> list[tuple[str, float, float]]:
-    """TurboQuant k8v4 at head_dim 128: encode against the affine encoder, the fused
-    decode against the plain one (CUDA only), and a decode read (decode, then one
-    query's attention) against attention over the same window in bf16."""
-    shape = (1, 8, positions, 128)
+def random_kv(positions: int) -> tuple[mx.array, mx.array]:
+    shape = (1, KV_HEADS, positions, HEAD_DIM)
     k = mx.random.normal(shape).astype(mx.bfloat16)
     v = mx.random.normal(shape).astype(mx.bfloat16)
     mx.eval(k, v)
-    rows = []
-    encode = seconds_per_call(lambda: turboquant.encode(k, v, 8, 4), repeats)
-    affine_encode = seconds_per_call(
-        lambda: (affine.quantize(k, 64, 4), affine.quantize(v, 64, 4)), repeats
-    )
-    rows.append(("turboquant encode k8v4 vs affine 4-bit g64 (k and v)", encode, affine_encode))
-    stored = turboquant.encode(k, v, 8, 4)
-    mx.eval(stored.k_idx, stored.k_scales, stored.k_zeros, stored.v_packed, stored.v_scales)
-    fields = (stored.k_idx, stored.k_scales, stored.k_zeros, stored.v_packed, stored.v_scales)
-    if turboquant.fused_decode_enabled():
-        fused = seconds_per_call(lambda: turboquant.decode(stored, positions, 128), repeats)
-        plain = seconds_per_call(
-            lambda: turboquant.decode_plain(*fields, 8, 4, 128, False), repeats
+    return k, v
+
+
+def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float) -> mx.array:
+    """mlx-lm's quantized SDPA for one query: grouped heads, quantized matmuls, softmax."""
+    B, Hq, L, D = q.shape
+    groups = Hq // KV_HEADS
+    q = (q * scale).reshape(B, KV_HEADS, groups, L, D)
+    k_q = tuple(a[:, :, None] for a in keys)
+    v_q = tuple(a[:, :, None] for a in values)
+    scores = mx.quantized_matmul(q, *k_q, transpose=True, group_size=64, bits=4)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(weights, *v_q, transpose=False, group_size=64, bits=4)
+    return out.reshape(B, Hq, L, D)
+
+
+def baseline_rows(
+    context: int, layers: int, repeats: int, q: mx.array, kv: tuple[mx.array, mx.array]
+) -> list[Row]:
+    """Bare bf16 SDPA and mlx-lm's quantized attention over LAYERS buffers of their own."""
+    scale = HEAD_DIM**-0.5
+    buffers = [(kv[0] + 0, kv[1] + 0) for _ in range(layers)]
+    quantized = [
+        (mx.quantize(k, group_size=64, bits=4), mx.quantize(v, group_size=64, bits=4))
+        for k, v in buffers
+    ]
+    mx.eval(buffers, quantized)
+
+    def bare_run() -> list[mx.array]:
+        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for k, v in buffers]
+
+    def mlx_lm_run() -> list[mx.array]:
+        return [quantized_attention(q, k, v, scale) for k, v in quantized]
+
+    bare = median_seconds(bare_run, repeats) / layers
+    mlx_lm = median_seconds(mlx_lm_run, repeats) / layers
+    return [
+        Row("step", "bare bf16 SDPA (no append)", context, bare * 1e6, 1.0),
+        Row("step", "mlx-lm quantized attention 4-bit g64", context, mlx_lm * 1e6, mlx_lm / bare),
+    ]
+
+
+def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list[Row]:
+    """The decode-step table at one context: baselines, then every kind's step and read."""
+    scale = HEAD_DIM**-0.5
+    q = mx.random.normal((1, QUERY_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
+    k1, v1 = random_kv(1)
+    prefill_k, prefill_v = random_kv(context)
+    rows = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
+    bare = rows[0].us / 1e6
+
+    def per_layer(run: Callable[[], list[mx.array]]) -> float:
+        return median_seconds(run, repeats) / layers
+
+    for name, factory in KINDS.items():
+        layer_caches = [factory(context + repeats + 8) for _ in range(layers)]
+        for cache in layer_caches:
+            cache.append_window(prefill_k, prefill_v)
+        mx.eval([cache.state().arrays for cache in layer_caches])
+        step = per_layer(
+            lambda cs=layer_caches: [c.append_decode(k1, v1).attend(q, scale) for c in cs]
         )
-        rows.append(("turboquant decode k8v4 fused vs plain", fused, plain))
-    queries = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
-    scale = 128**-0.5
-
-    def turbo_read():
-        keys, values = turboquant.decode(stored, positions, 128)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-
-    def bf16_read():
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
-
-    rows.append(
-        (
-            "turboquant decode read (decode + sdpa) vs bf16 sdpa",
-            seconds_per_call(turbo_read, repeats),
-            seconds_per_call(bf16_read, repeats),
+        per_token = layer_caches[0].bytes_per_token()
+        reads = [c.append_decode(k1, v1) for c in layer_caches]
+        attend = per_layer(lambda rs=reads: [r.attend(q, scale) for r in rs])
+        floor = per_token * layer_caches[0].offset / bandwidth
+        rows.append(Row("step", name, context, step * 1e6, step / bare, per_token))
+        rows.append(
+            Row("attend", name, context, attend * 1e6, attend / bare, per_token, floor / attend)
         )
-    )
+        for cache in layer_caches:
+            cache.check()
+        del layer_caches, reads
     return rows
+
+
+def encode_rows(positions: int, repeats: int) -> list[Row]:
+    """Prefill encode of `positions` positions (keys and values together) against a copy of
+    the same input bytes; ratio = copy time / encode time (1 means copy bandwidth)."""
+    k, v = random_kv(positions)
+    copy = median_seconds(lambda: (k + 0, v + 0), repeats)
+    rows = []
+    encoders = {
+        "turboquant encode_deferred k8v4": lambda: turboquant.encode_deferred(k, v, 8, 4),
+        "affine quantize_deferred 4-bit g64 (k, v)": lambda: (
+            affine.quantize_deferred(k, 64, 4),
+            affine.quantize_deferred(v, 64, 4),
+        ),
+    }
+    for name, run in encoders.items():
+        seconds = median_seconds(lambda r=run: _arrays(r()), repeats)
+        rows.append(Row("encode", name, positions, seconds * 1e6, copy / seconds))
+    return rows
+
+
+def _arrays(result: object) -> list[mx.array]:
+    """Every mx.array inside nested tuples and TurboQuantTensors."""
+    if isinstance(result, mx.array):
+        return [result]
+    if isinstance(result, turboquant.TurboQuantTensor):
+        return list(vars(result).values())
+    return [a for part in result for a in _arrays(part)]
+
+
+def print_rows(rows: list[Row]) -> None:
+    width = max(len(row.what) for row in rows)
+    for table in ("step", "attend", "encode"):
+        chosen = [row for row in rows if row.table == table]
+        if not chosen:
+            continue
+        unit = "copy time / encode" if table == "encode" else "x bare bf16 SDPA"
+        print(f"\n{table}: per layer  (ratio: {unit})")
+        print(
+            f"{'':{width}}  {'context':>7}  {'us':>8}  {'ratio':>6}  {'B/token':>7}  {'floor':>5}"
+        )
+        for row in chosen:
+            floor = f"{row.floor_fraction:5.2f}" if row.floor_fraction else ""
+            per_token = str(row.bytes_per_token) if row.bytes_per_token else ""
+            print(
+                f"{row.what:{width}}  {row.context:7d}  {row.us:8.1f}  {row.ratio:6.2f}  "
+                f"{per_token:>7}  {floor:>5}"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--positions", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 131072]
+    )
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--encode-positions", type=int, default=32768)
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     args = parser.parse_args(argv)
-    print(f"device: {mx.default_device()}  mlx {mx.__version__}  positions {args.positions}")
-    rows = affine_rows(args.positions, args.repeats) + turboquant_rows(args.positions, args.repeats)
-    width = max(len(name) for name, _, _ in rows)
-    print(f"{'':{width}}  {'kvspec us':>10}  {'baseline us':>11}  {'ratio':>6}")
-    for name, ours, theirs in rows:
-        print(f"{name:{width}}  {ours * 1e6:10.1f}  {theirs * 1e6:11.1f}  {ours / theirs:6.2f}")
+    if args.quick:
+        args.contexts, args.layers, args.repeats, args.encode_positions = [64], 2, 2, 64
+    print(f"device: {mx.default_device()}  mlx {mx.__version__}  layers {args.layers}")
+    bandwidth = read_bandwidth(4 if args.quick else 1024, args.repeats)
+    print(f"plain read bandwidth: {bandwidth / 1e12:.2f} TB/s")
+    rows = []
+    for context in args.contexts:
+        rows += step_rows(context, args.layers, args.repeats, bandwidth)
+    rows += encode_rows(args.encode_positions, args.repeats)
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": str(mx.default_device()),
+                    "bandwidth": bandwidth,
+                    "rows": [asdict(row) for row in rows],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

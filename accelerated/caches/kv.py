@@ -19,7 +19,7 @@ class GrowingStorage(ReadMethods, kv.GrowingStorage):
 class KVCache(GrowingStorage, kv.KVCache):
     """Keys and values stored as given (CACHE-3), on MLX."""
 
-    def _new_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
+    def _new_quantized(self, group_size: int, bits: int, checks: str) -> QuantizedKVCache:
         from kvspec.accelerated.caches.quantized import QuantizedKVCache
 
-        return QuantizedKVCache(group_size, bits)
+        return QuantizedKVCache(group_size, bits, checks=checks)

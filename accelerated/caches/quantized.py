@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import mlx.core as mx
+
 from kvspec.accelerated import affine
+from kvspec.accelerated.attention_kernels import AFFINE, StoredSide
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.reference.caches import quantized
 from kvspec.reference.caches.quantized import check_affine_parameters
+from kvspec.reference.caches.storage import Fields
 
 __all__ = ["AffineFields", "QuantizedKVCache", "check_affine_parameters"]
 
@@ -17,6 +21,21 @@ class AffineFields(quantized.AffineFields):
     """The six affine fields (QKV-1) through the MLX affine codec."""
 
     affine: ModuleType = affine
+
+    def _stored_sides(
+        self, live: Fields
+    ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
+        """READ-7: words, scales and biases of keys and values (AFF-5)."""
+        k_words, k_scales, k_biases, v_words, v_scales, v_biases = live
+        sides = [
+            StoredSide(AFFINE, words, scales, biases, self.bits, self.group_size, dim)
+            for words, scales, biases in (
+                (k_words, k_scales, k_biases),
+                (v_words, v_scales, v_biases),
+            )
+            for dim in [words.shape[-1] * 32 // self.bits]
+        ]
+        return sides[0], sides[1], None, None
 
 
 class QuantizedKVCache(AffineFields, GrowingStorage, quantized.QuantizedKVCache):

@@ -19,7 +19,7 @@ class RingStorage(ReadMethods, rotating.RingStorage):
 class RotatingKVCache(RingStorage, rotating.RotatingKVCache):
     """Keys and values stored as given in a ring (RING-1), on MLX."""
 
-    def _new_quantized(self, group_size: int, bits: int) -> RotatingQuantizedKVCache:
+    def _new_quantized(self, group_size: int, bits: int, checks: str) -> RotatingQuantizedKVCache:
         from kvspec.accelerated.caches.rotating_quantized import RotatingQuantizedKVCache
 
-        return RotatingQuantizedKVCache(self.max_size, group_size, bits, self.keep)
+        return RotatingQuantizedKVCache(self.max_size, group_size, bits, self.keep, checks)

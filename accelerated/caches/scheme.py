@@ -30,15 +30,21 @@ __all__ = [
 ]
 
 
-def composed_full_attention_cache(scheme: KvStorageScheme, layer: int) -> Any:
-    """The MLX cache `scheme` names for full-attention layer `layer` (SCHEME-3)."""
+def composed_full_attention_cache(
+    scheme: KvStorageScheme, layer: int, checks: str = "eager"
+) -> Any:
+    """The MLX cache `scheme` names for full-attention layer `layer` (SCHEME-3), checking
+    as `checks` says: "deferred" for decode loops that must not wait (DEFER-3)."""
     from kvspec.accelerated import caches
 
-    return full_attention_cache(scheme, layer, caches)
+    return full_attention_cache(scheme, layer, caches, checks)
 
 
-def composed_sliding_attention_cache(scheme: KvStorageScheme, layer: int, max_size: int) -> Any:
-    """The MLX cache `scheme` names for sliding-window layer `layer` (SCHEME-3)."""
+def composed_sliding_attention_cache(
+    scheme: KvStorageScheme, layer: int, max_size: int, checks: str = "eager"
+) -> Any:
+    """The MLX cache `scheme` names for sliding-window layer `layer` (SCHEME-3), checking
+    as `checks` says (DEFER-3)."""
     from kvspec.accelerated import caches
 
-    return sliding_attention_cache(scheme, layer, max_size, caches)
+    return sliding_attention_cache(scheme, layer, max_size, caches, checks)

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import mlx.core as mx
+
 from kvspec.accelerated import turboquant
+from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredSide
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.reference.caches import turboquant as reference
+from kvspec.reference.caches.protocol import Read
+from kvspec.reference.caches.storage import Fields
 from kvspec.reference.caches.turboquant import check_turboquant_parameters
 
 __all__ = ["DeferredRead", "TurboQuantKVCache", "check_turboquant_parameters"]
@@ -26,3 +31,22 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
 
     turboquant: ModuleType = turboquant
     deferred_read: type[reference.DeferredRead] = DeferredRead
+
+    def _read_of(self, live: Fields) -> Read:
+        """READ-2's read of live fields with this cache's kernels (TQC-4)."""
+        if self.kernels == "dense":
+            return super()._read_of(live)
+        t, head_dim = self._tensor_and_head_dim(live)
+        keys, rotated = turboquant.decode(t, t.k_idx.shape[2], head_dim, defer_v=True)
+        return self.deferred_read(keys, rotated, None)
+
+    def _stored_sides(
+        self, live: Fields
+    ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
+        """READ-7: key codes with scales and zero points (TQ-4), value codes with scales
+        (TQ-7); the output is unrotated once, whichever kernels the cache names (TQC-4)."""
+        k_idx, k_scales, k_zeros, v_packed, v_scales = live
+        head_dim = k_scales.shape[-1] * turboquant.BLOCK_SIZE
+        keys = StoredSide(TURBO_KEY, k_idx, k_scales, k_zeros, self.k_bits, 32, head_dim)
+        values = StoredSide(TURBO_VALUE, v_packed, v_scales, None, self.v_bits, 32, head_dim)
+        return keys, values, turboquant.centroids(self.v_bits), turboquant.signs(head_dim)

@@ -14,7 +14,15 @@ from abc import abstractmethod
 import numpy as np
 
 from kvspec.reference.caches.kv import KVCache
-from kvspec.reference.caches.protocol import A, Cache, CacheState, KvLayout, Mask, Read
+from kvspec.reference.caches.protocol import (
+    A,
+    Cache,
+    CacheState,
+    KvLayout,
+    Mask,
+    Read,
+    check_checks,
+)
 from kvspec.reference.caches.quantized import QuantizedKVCache, check_affine_parameters
 from kvspec.reference.caches.reads import PositionwiseRead
 from kvspec.reference.caches.rotating import RotatingKVCache
@@ -44,10 +52,12 @@ class Bf16FirstCache(Cache[A]):
     #: The only head_dim this cache accepts, when its converted storage is specialized.
     head_dim: int | None = None
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, checks: str = "eager") -> None:
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
+        check_checks(checks)
         self.start = start
+        self.checks = checks
         self._plain: Cache[A] | None = self._new_plain()
         self._converted: Cache[A] | None = None
 
@@ -201,6 +211,10 @@ class Bf16FirstCache(Cache[A]):
     def make_mask(self, n: int, window_size: int | None) -> Mask:
         return self.storage.make_mask(n, window_size)
 
+    def check(self) -> None:
+        """DEFER-3: the converted storage checks as this cache's `checks` says."""
+        self.storage.check()
+
     def bytes_per_token(self) -> int:
         return self.storage.bytes_per_token()
 
@@ -255,21 +269,21 @@ class Bf16FirstQuantizedKVCache(Bf16FirstCache):
     plain_kind: type[KVCache] = KVCache
     converted_kind: type[QuantizedKVCache] = QuantizedKVCache
 
-    def __init__(self, group_size: int, bits: int, start: int) -> None:
+    def __init__(self, group_size: int, bits: int, start: int, checks: str = "eager") -> None:
         self.group_size = group_size
         self.bits = bits
         check_affine_parameters(group_size, bits)
-        super().__init__(start)
+        super().__init__(start, checks)
 
     def _new_plain(self) -> KVCache:
         return self.plain_kind()
 
     def _new_converted(self) -> QuantizedKVCache:
-        return self.converted_kind(self.group_size, self.bits)
+        return self.converted_kind(self.group_size, self.bits, self.checks)
 
     def _convert(self, plain: Cache[np.ndarray]) -> QuantizedKVCache:
         assert isinstance(plain, self.plain_kind)
-        return plain.to_quantized(self.group_size, self.bits)
+        return plain.to_quantized(self.group_size, self.bits, self.checks)
 
 
 class Bf16FirstRotatingQuantizedKVCache(Bf16FirstCache):
@@ -281,22 +295,24 @@ class Bf16FirstRotatingQuantizedKVCache(Bf16FirstCache):
     converted_kind: type[RotatingQuantizedKVCache] = RotatingQuantizedKVCache
     positionwise_read: type[PositionwiseRead] = PositionwiseRead
 
-    def __init__(self, max_size: int, group_size: int, bits: int, start: int) -> None:
+    def __init__(
+        self, max_size: int, group_size: int, bits: int, start: int, checks: str = "eager"
+    ) -> None:
         self.max_size = max_size
         self.group_size = group_size
         self.bits = bits
         check_affine_parameters(group_size, bits)
-        super().__init__(start)
+        super().__init__(start, checks)
 
     def _new_plain(self) -> RotatingKVCache:
         return self.plain_kind(self.max_size)
 
     def _new_converted(self) -> RotatingQuantizedKVCache:
-        return self.converted_kind(self.max_size, self.group_size, self.bits)
+        return self.converted_kind(self.max_size, self.group_size, self.bits, checks=self.checks)
 
     def _convert(self, plain: Cache[np.ndarray]) -> RotatingQuantizedKVCache:
         assert isinstance(plain, self.plain_kind)
-        return plain.to_quantized(self.group_size, self.bits)
+        return plain.to_quantized(self.group_size, self.bits, self.checks)
 
     def append_committed(self, k: np.ndarray, v: np.ndarray) -> PositionwiseRead:
         """READ-4: one `append_decode` per position."""
@@ -313,8 +329,8 @@ class Bf16FirstKv4Head256Cache(Bf16FirstQuantizedKVCache):
 
     head_dim = 256
 
-    def __init__(self, start: int) -> None:
-        super().__init__(64, 4, start)
+    def __init__(self, start: int, checks: str = "eager") -> None:
+        super().__init__(64, 4, start, checks)
 
 
 class Bf16FirstTurboQuantKVCache(Bf16FirstCache):
@@ -324,19 +340,28 @@ class Bf16FirstTurboQuantKVCache(Bf16FirstCache):
     plain_kind: type[KVCache] = KVCache
     converted_kind: type[TurboQuantKVCache] = TurboQuantKVCache
 
-    def __init__(self, k_bits: int, v_bits: int, start: int, kernels: str = "dense") -> None:
+    def __init__(
+        self,
+        k_bits: int,
+        v_bits: int,
+        start: int,
+        kernels: str = "dense",
+        checks: str = "eager",
+    ) -> None:
         check_turboquant_parameters(k_bits, v_bits, kernels)
         self.k_bits = k_bits
         self.v_bits = v_bits
         self.kernels = kernels
-        super().__init__(start)
+        super().__init__(start, checks)
 
     def _new_plain(self) -> KVCache:
         return self.plain_kind()
 
     def _new_converted(self) -> TurboQuantKVCache:
-        return self.converted_kind(self.k_bits, self.v_bits, self.kernels)
+        return self.converted_kind(self.k_bits, self.v_bits, self.kernels, self.checks)
 
     def _convert(self, plain: Cache[np.ndarray]) -> TurboQuantKVCache:
         assert isinstance(plain, self.plain_kind)
-        return self.converted_kind.from_kv_cache(plain, self.k_bits, self.v_bits, self.kernels)
+        return self.converted_kind.from_kv_cache(
+            plain, self.k_bits, self.v_bits, self.kernels, self.checks
+        )

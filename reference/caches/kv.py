@@ -100,7 +100,9 @@ class GrowingStorage(FieldStorage):
         return self.masks.make_mask(n, self.offset, window_size)
 
     def state(self) -> CacheState[np.ndarray]:
-        """CACHE-8: the fields cut to the offset, in the kind's slot order."""
+        """CACHE-8: the fields cut to the offset, in the kind's slot order; first raises a
+        recorded deferred failure (DEFER-3)."""
+        self.check()
         arrays = () if self._fields is None else self._live()
         return CacheState(self.signature(), arrays, self.offset, None, self.minimum_reusable_offset)
 
@@ -121,6 +123,7 @@ class GrowingStorage(FieldStorage):
         self._layout = layout
         self.offset = state.offset
         self.minimum_reusable_offset = state.minimum_reusable_offset
+        self._failure = 0
 
     def check_invariants(self) -> None:
         """CACHE-3 invariants."""
@@ -141,21 +144,22 @@ class KVCache(PlainFields, GrowingStorage):
     def signature(self) -> str:
         return "kv"
 
-    def to_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
-        """The live window quantized into a new QuantizedKVCache; this cache is consumed:
-        left empty (CACHE-9). Offset and minimum reusable offset carry over."""
-        target = self._new_quantized(group_size, bits)
+    def to_quantized(self, group_size: int, bits: int, checks: str = "eager") -> QuantizedKVCache:
+        """The live window quantized into a new QuantizedKVCache with `checks` (DEFER-3);
+        this cache is consumed: left empty (CACHE-9). Offset and minimum reusable offset
+        carry over."""
+        target = self._new_quantized(group_size, bits, checks)
         window = self.keys_and_values()
         if window is not None:
             assert self._layout is not None
-            target.adopt(target._encode(*window), self._layout)
+            target.adopt_encoded(*window, self._layout)
         target.offset = self.offset
         target.minimum_reusable_offset = self.minimum_reusable_offset
         self.release()
         return target
 
-    def _new_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
+    def _new_quantized(self, group_size: int, bits: int, checks: str) -> QuantizedKVCache:
         """An empty QuantizedKVCache of this backend: the target of `to_quantized`."""
         from kvspec.reference.caches.quantized import QuantizedKVCache
 
-        return QuantizedKVCache(group_size, bits)
+        return QuantizedKVCache(group_size, bits, checks=checks)

@@ -167,8 +167,24 @@ class Cache(ABC, Generic[A]):
         """Adopt `state`, replacing what this cache holds (CACHE-8)."""
 
     @abstractmethod
+    def check(self) -> None:
+        """Raise the ValueError a deferred check recorded since the last call, once; nothing
+        to raise for eager checks (DEFER-3)."""
+
+    @abstractmethod
     def check_invariants(self) -> None:
         """Raise AssertionError if a stated invariant of the kind does not hold."""
+
+
+#: How a cache checks what it encodes (DEFER-3): "eager" raises before anything is
+#: stored; "deferred" stores NaN groups and raises from `check()`, with no host read.
+CHECKS = ("eager", "deferred")
+
+
+def check_checks(checks: str) -> None:
+    """DEFER-3: a checks mode of CHECKS."""
+    if checks not in CHECKS:
+        raise ValueError(f"checks must be one of {CHECKS}, got {checks!r}")
 
 
 def require(condition: bool, message: str) -> None:

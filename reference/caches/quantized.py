@@ -31,22 +31,34 @@ class AffineFields:
 
     #: The affine codec (AFF-1 .. AFF-6); the MLX backend binds its own, same bits (AFF-9).
     affine: ModuleType = affine
+    deferred_checks = affine.DEFERRED_CHECKS
     group_size: int
     bits: int
     #: From the storage this is mixed into (ReadMethods).
     dtype_name: Callable[[object], str]
 
-    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
-        """The six fields of new positions (QKV-1)."""
+    def _check_head_dims(self, k: np.ndarray, v: np.ndarray) -> None:
         for name, x in (("k", k), ("v", v)):
             if x.shape[-1] % self.group_size != 0:
                 raise ValueError(
                     f"{name} head_dim {x.shape[-1]} is not a multiple of group_size "
                     f"{self.group_size}"
                 )
+
+    def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
+        """The six fields of new positions (QKV-1)."""
+        self._check_head_dims(k, v)
         keys = self.affine.quantize(k, self.group_size, self.bits)
         values = self.affine.quantize(v, self.group_size, self.bits)
         return (*keys, *values)
+
+    def _encode_deferred(self, k: np.ndarray, v: np.ndarray) -> tuple[Fields, int]:
+        """The six fields with NaN groups, and the larger failure rank of k and v
+        (DEFER-1, DEFER-2)."""
+        self._check_head_dims(k, v)
+        *keys, key_failure = self.affine.quantize_deferred(k, self.group_size, self.bits)
+        *values, value_failure = self.affine.quantize_deferred(v, self.group_size, self.bits)
+        return (*keys, *values), self.xp.maximum(key_failure, value_failure)
 
     def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of the six fields, in the input dtype (QKV-1, AFF-6)."""
@@ -74,9 +86,9 @@ class QuantizedKVCache(AffineFields, GrowingStorage):
     v_biases, each [B, H, offset, *].
     """
 
-    def __init__(self, group_size: int = 64, bits: int = 8) -> None:
+    def __init__(self, group_size: int = 64, bits: int = 8, checks: str = "eager") -> None:
         check_affine_parameters(group_size, bits)
-        super().__init__()
+        super().__init__(checks)
         self.group_size = group_size
         self.bits = bits
 

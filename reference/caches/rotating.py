@@ -30,12 +30,12 @@ class RingStorage(FieldStorage):
     offset >= max_size, keep <= ring_index. Arrays are made through ReadMethods' `xp`.
     """
 
-    def __init__(self, max_size: int, keep: int = 0) -> None:
+    def __init__(self, max_size: int, keep: int = 0, checks: str = "eager") -> None:
         if max_size < 1:
             raise ValueError(f"max_size must be at least 1, got {max_size}")
         if not 0 <= keep < max_size:
             raise ValueError(f"keep must be in [0, max_size), got {keep}")
-        super().__init__()
+        super().__init__(checks)
         self.max_size = max_size
         self.keep = keep
         self._index = 0
@@ -56,13 +56,17 @@ class RingStorage(FieldStorage):
     def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One position: in place (RING-2); more: in temporal order, then concatenated
         (RING-3). Returns the live buffer decoded, in ring order (RING-4)."""
+        self._append(k, v)
+        return self._decode(self._live())
+
+    def _append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """RING-2, RING-3 but the fetch."""
         layout, new = self._checked(k, v)
         if k.shape[2] == 1:
             self._update_in_place(new)
         else:
             self._update_concat(new)
         self._layout = layout
-        return self._decode(self._live())
 
     def _update_in_place(self, new: Fields) -> None:
         """RING-2."""
@@ -163,7 +167,9 @@ class RingStorage(FieldStorage):
         )
 
     def state(self) -> CacheState[np.ndarray]:
-        """RING-6: the whole buffer in ring order, offset, ring index."""
+        """RING-6: the whole buffer in ring order, offset, ring index; first raises a
+        recorded deferred failure (DEFER-3)."""
+        self.check()
         arrays = () if self._fields is None else tuple(self.xp.array(f) for f in self._fields)
         return CacheState(
             self.signature(), arrays, self.offset, self._index, self.minimum_reusable_offset
@@ -185,6 +191,7 @@ class RingStorage(FieldStorage):
         self.offset = state.offset
         self._index = index
         self.minimum_reusable_offset = state.minimum_reusable_offset
+        self._failure = 0
 
     def release(self) -> None:
         """Back to the constructed state, ring index 0 included (CACHE-9)."""
@@ -216,23 +223,25 @@ class RotatingKVCache(PlainFields, RingStorage):
     def signature(self) -> str:
         return f"kv:rotating:{self.max_size}:{self.keep}"
 
-    def to_quantized(self, group_size: int, bits: int) -> RotatingQuantizedKVCache:
+    def to_quantized(
+        self, group_size: int, bits: int, checks: str = "eager"
+    ) -> RotatingQuantizedKVCache:
         """The whole buffer quantized position by position into a RotatingQuantizedKVCache
-        with this ring's max_size, keep, offset and ring index; this cache is consumed
-        (CACHE-9, QRING-2)."""
-        target = self._new_quantized(group_size, bits)
+        with this ring's max_size, keep, offset and ring index, and `checks` (DEFER-3);
+        this cache is consumed (CACHE-9, QRING-2)."""
+        target = self._new_quantized(group_size, bits, checks)
         if self._fields is not None:
             assert self._layout is not None
-            target.adopt(target._encode(*self._fields), self._layout)
+            target.adopt_encoded(*self._fields, self._layout)
         target.offset = self.offset
         target._index = self._index
         target.minimum_reusable_offset = self.minimum_reusable_offset
         self.release()
         return target
 
-    def _new_quantized(self, group_size: int, bits: int) -> RotatingQuantizedKVCache:
+    def _new_quantized(self, group_size: int, bits: int, checks: str) -> RotatingQuantizedKVCache:
         """An empty RotatingQuantizedKVCache of this backend with this ring's max_size and
         keep: the target of `to_quantized`."""
         from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
 
-        return RotatingQuantizedKVCache(self.max_size, group_size, bits, self.keep)
+        return RotatingQuantizedKVCache(self.max_size, group_size, bits, self.keep, checks)

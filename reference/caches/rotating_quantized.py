@@ -16,9 +16,16 @@ class RotatingQuantizedKVCache(AffineFields, RingStorage):
     [B, H, T, *] in ring order.
     """
 
-    def __init__(self, max_size: int, group_size: int = 64, bits: int = 8, keep: int = 0) -> None:
+    def __init__(
+        self,
+        max_size: int,
+        group_size: int = 64,
+        bits: int = 8,
+        keep: int = 0,
+        checks: str = "eager",
+    ) -> None:
         check_affine_parameters(group_size, bits)
-        super().__init__(max_size, keep)
+        super().__init__(max_size, keep, checks)
         self.group_size = group_size
         self.bits = bits
 

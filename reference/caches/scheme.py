@@ -9,6 +9,7 @@ from types import ModuleType
 from typing import Any
 
 from kvspec.reference import affine, turboquant
+from kvspec.reference.caches.protocol import check_checks
 from kvspec.reference.caches.turboquant import KERNELS
 
 
@@ -133,29 +134,36 @@ def _affine_entry(scheme: KvStorageScheme, layer: int) -> AffineLayer | None:
     return None
 
 
-def full_attention_cache(scheme: KvStorageScheme, layer: int, family: ModuleType) -> Any:
+def full_attention_cache(
+    scheme: KvStorageScheme, layer: int, family: ModuleType, checks: str = "eager"
+) -> Any:
     """SCHEME-3 over a backend's `caches` package `family` (both backends' composers); turbo
-    layers as SCHEME-4 says."""
+    layers as SCHEME-4 says; encoding caches check as `checks` says (DEFER-3)."""
+    check_checks(checks)
     if isinstance(scheme, TurboScheme):
         return family.Bf16FirstTurboQuantKVCache(
-            scheme.k_bits, scheme.v_bits, scheme.quantized_kv_start, scheme.kernels
+            scheme.k_bits, scheme.v_bits, scheme.quantized_kv_start, scheme.kernels, checks
         )
     entry = _affine_entry(scheme, layer)
     if entry is None:
         return family.KVCache()
     assert isinstance(scheme, AffineScheme | AffineLayersScheme)
-    return family.Bf16FirstQuantizedKVCache(entry.group_size, entry.bits, scheme.quantized_kv_start)
+    return family.Bf16FirstQuantizedKVCache(
+        entry.group_size, entry.bits, scheme.quantized_kv_start, checks
+    )
 
 
 _warned_turbo_sliding = False
 
 
 def sliding_attention_cache(
-    scheme: KvStorageScheme, layer: int, max_size: int, family: ModuleType
+    scheme: KvStorageScheme, layer: int, max_size: int, family: ModuleType, checks: str = "eager"
 ) -> Any:
     """SCHEME-3 over a backend's `caches` package `family`: TurboQuant encodes
-    full-attention layers only, so its sliding layers stay plain, with a one-time warning."""
+    full-attention layers only, so its sliding layers stay plain, with a one-time warning;
+    encoding caches check as `checks` says (DEFER-3)."""
     global _warned_turbo_sliding
+    check_checks(checks)
     if isinstance(scheme, TurboScheme):
         if not _warned_turbo_sliding:
             _warned_turbo_sliding = True
@@ -170,19 +178,23 @@ def sliding_attention_cache(
         return family.RotatingKVCache(max_size)
     assert isinstance(scheme, AffineScheme | AffineLayersScheme)
     return family.Bf16FirstRotatingQuantizedKVCache(
-        max_size, entry.group_size, entry.bits, scheme.quantized_kv_start
+        max_size, entry.group_size, entry.bits, scheme.quantized_kv_start, checks
     )
 
 
-def composed_full_attention_cache(scheme: KvStorageScheme, layer: int) -> Any:
+def composed_full_attention_cache(
+    scheme: KvStorageScheme, layer: int, checks: str = "eager"
+) -> Any:
     """The reference cache `scheme` names for full-attention layer `layer` (SCHEME-3)."""
     from kvspec.reference import caches
 
-    return full_attention_cache(scheme, layer, caches)
+    return full_attention_cache(scheme, layer, caches, checks)
 
 
-def composed_sliding_attention_cache(scheme: KvStorageScheme, layer: int, max_size: int) -> Any:
+def composed_sliding_attention_cache(
+    scheme: KvStorageScheme, layer: int, max_size: int, checks: str = "eager"
+) -> Any:
     """The reference cache `scheme` names for sliding-window layer `layer` (SCHEME-3)."""
     from kvspec.reference import caches
 
-    return sliding_attention_cache(scheme, layer, max_size, caches)
+    return sliding_attention_cache(scheme, layer, max_size, caches, checks)

@@ -8,8 +8,14 @@ from abc import abstractmethod
 
 import numpy as np
 
-from kvspec.reference.caches.protocol import KvLayout, kv_layout, require_same_layout
+from kvspec.reference.caches.protocol import (
+    KvLayout,
+    check_checks,
+    kv_layout,
+    require_same_layout,
+)
 from kvspec.reference.caches.reads import ReadMethods
+from kvspec.reference.deferred import failure_message
 
 Fields = tuple[np.ndarray, ...]
 
@@ -19,15 +25,28 @@ class FieldStorage(ReadMethods):
     reusable offset (CACHE-1). Subclasses say how positions are encoded into fields and
     decoded back, and which stored rows are live."""
 
-    def __init__(self) -> None:
+    #: The value checks a deferred encode of this storage ranks (DEFER-2); none when the
+    #: storage keeps positions as given.
+    deferred_checks: tuple[str, ...] = ()
+
+    def __init__(self, checks: str = "eager") -> None:
+        check_checks(checks)
+        self.checks = checks
         self.offset = 0
         self.minimum_reusable_offset = 0
         self._fields: Fields | None = None
         self._layout: KvLayout | None = None
+        self._failure = 0
 
     @abstractmethod
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
         """Fields of new positions; raises ValueError for what the storage cannot hold."""
+
+    def _encode_deferred(self, k: np.ndarray, v: np.ndarray) -> tuple[Fields, int]:
+        """Fields of new positions with NaN groups where the input cannot be held, and the
+        failure rank (DEFER-1, DEFER-2); storage that keeps positions as given has
+        nothing to defer."""
+        return self._encode(k, v), 0
 
     @abstractmethod
     def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
@@ -36,6 +55,10 @@ class FieldStorage(ReadMethods):
     @abstractmethod
     def _layout_of(self, fields: Fields) -> KvLayout:
         """The layout that stored fields imply (for restore_state)."""
+
+    @abstractmethod
+    def _append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Store the new positions (checked first, CACHE-2); no fetch."""
 
     @abstractmethod
     def _live(self) -> Fields:
@@ -50,13 +73,38 @@ class FieldStorage(ReadMethods):
         return kv_layout(k, v, self.dtype_name(k.dtype))[0]
 
     def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
+        """The layout and fields of an append, checked as `checks` says (CACHE-2, DEFER-3);
+        deferred failures are recorded, to be raised by `check()`."""
         layout = self._append_layout(k, v)
         require_same_layout(self._layout, layout)
-        return layout, self._encode(k, v)
+        return layout, self._encode_recorded(k, v)
+
+    def _encode_recorded(self, k: np.ndarray, v: np.ndarray) -> Fields:
+        if self.checks == "eager":
+            return self._encode(k, v)
+        fields, failure = self._encode_deferred(k, v)
+        return self._record_failure(fields, failure)
+
+    def _record_failure(self, fields: Fields, failure: int) -> Fields:
+        """DEFER-3: keep the largest failure rank; the fields to store."""
+        self._failure = self.xp.maximum(self._failure, failure)
+        return fields
+
+    def check(self) -> None:
+        """DEFER-3: raise the earliest failed check recorded since the last call, once."""
+        failure, self._failure = int(self._failure), 0
+        if failure:
+            raise ValueError(failure_message(self.deferred_checks, failure))
 
     def check_append(self, k: np.ndarray, v: np.ndarray) -> None:
-        """CACHE-2: raise ValueError if `k`, `v` could not be appended."""
-        self._checked(k, v)
+        """CACHE-2: raise ValueError if `k`, `v` could not be appended (deferred checks:
+        if their layout could not be, DEFER-3); records nothing."""
+        layout = self._append_layout(k, v)
+        require_same_layout(self._layout, layout)
+        if self.checks == "eager":
+            self._encode(k, v)
+        else:
+            self._encode_deferred(k, v)
 
     def keys_and_values(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The live rows decoded; None before the first append (CACHE-3, RING-4)."""
@@ -75,12 +123,18 @@ class FieldStorage(ReadMethods):
         self._fields = fields
         self._layout = layout
 
+    def adopt_encoded(self, k: np.ndarray, v: np.ndarray, layout: KvLayout) -> None:
+        """Encode `k`, `v` as this storage's fields and take them (conversions, CACHE-9),
+        checked as `checks` says (DEFER-3)."""
+        self.adopt(self._encode_recorded(k, v), layout)
+
     def release(self) -> None:
         """Back to the constructed state: what a consumed source is left as (CACHE-9)."""
         self._fields = None
         self._layout = None
         self.offset = 0
         self.minimum_reusable_offset = 0
+        self._failure = 0
 
 
 class PlainFields:

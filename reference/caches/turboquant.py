@@ -66,12 +66,15 @@ class TurboQuantKVCache(GrowingStorage):
 
     #: The TurboQuant codec (TQ-1 .. TQ-10); the MLX backend binds its own, same bits.
     turboquant: ModuleType = turboquant
+    deferred_checks = turboquant.DEFERRED_CHECKS
     #: The read of the deferred kernels (TQC-4).
     deferred_read: type[DeferredRead] = DeferredRead
 
-    def __init__(self, k_bits: int = 8, v_bits: int = 4, kernels: str = "dense") -> None:
+    def __init__(
+        self, k_bits: int = 8, v_bits: int = 4, kernels: str = "dense", checks: str = "eager"
+    ) -> None:
         check_turboquant_parameters(k_bits, v_bits, kernels)
-        super().__init__()
+        super().__init__(checks)
         self.k_bits = k_bits
         self.v_bits = v_bits
         self.kernels = kernels
@@ -84,6 +87,10 @@ class TurboQuantKVCache(GrowingStorage):
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
         t = self.turboquant.encode(k, v, self.k_bits, self.v_bits)
         return t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales
+
+    def _encode_deferred(self, k: np.ndarray, v: np.ndarray) -> tuple[Fields, int]:
+        t, failure = self.turboquant.encode_deferred(k, v, self.k_bits, self.v_bits)
+        return (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales), failure
 
     def _tensor_and_head_dim(self, fields: Fields) -> tuple[turboquant.TurboQuantTensor, int]:
         t = self.turboquant.TurboQuantTensor(*fields)
@@ -126,22 +133,26 @@ class TurboQuantKVCache(GrowingStorage):
 
     @classmethod
     def from_kv_cache(
-        cls, cache: KVCache, k_bits: int, v_bits: int, kernels: str = "dense"
+        cls,
+        cache: KVCache,
+        k_bits: int,
+        v_bits: int,
+        kernels: str = "dense",
+        checks: str = "eager",
     ) -> TurboQuantKVCache:
         """TQC-3: the live window of `cache` encoded into a new TurboQuantKVCache with the
-        same offset and minimum reusable offset; `cache` is consumed (CACHE-9). Nothing is
-        consumed when the window cannot be encoded."""
+        same offset and minimum reusable offset, and `checks` (DEFER-3); `cache` is
+        consumed (CACHE-9). Nothing is consumed when the window cannot be encoded."""
         if not isinstance(cache, KVCache) or cache.xp is not cls.xp:
             raise ValueError(
                 f"from_kv_cache takes a KVCache of this backend, got {type(cache).__module__}."
                 f"{type(cache).__name__}"
             )
-        target = cls(k_bits, v_bits, kernels)
+        target = cls(k_bits, v_bits, kernels, checks)
         window = cache.keys_and_values()
         if window is not None:
             assert cache.layout is not None
-            fields = target._encode(*window)
-            target.adopt(fields, replace(cache.layout, dtype=READ_DTYPE))
+            target.adopt_encoded(*window, replace(cache.layout, dtype=READ_DTYPE))
         target.offset = cache.offset
         target.minimum_reusable_offset = cache.minimum_reusable_offset
         cache.release()

@@ -1,0 +1,19 @@
+"""Where the accelerated backend's custom kernels run: MLX's CUDA backend, unless
+KVSPEC_FUSED_KERNELS=0 selects the portable MLX-ops paths there too (for comparisons and
+triage). Both paths store the same bits (spec TQ-14, READ-7)."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+#: Set to "0" to run the portable MLX-ops paths on CUDA too.
+FUSED_KERNELS_ENV = "KVSPEC_FUSED_KERNELS"
+
+
+def fused_kernels_enabled() -> bool:
+    """Whether the CUDA kernels run: a CUDA default device, and KVSPEC_FUSED_KERNELS is not
+    "0"."""
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda and os.environ.get(FUSED_KERNELS_ENV, "1") != "0"

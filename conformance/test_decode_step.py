@@ -1,0 +1,227 @@
+"""The decode step: deferred encodes store the reference's bits (DEFER-1, DEFER-2), deferred
+caches report bad appends through `check()` and NaN reads (DEFER-3), and a decode read of
+stored fields stays within READ-1's bound (READ-7).
+
+On a CUDA device these run the fused kernels (TurboQuant encode, affine encoder, decode
+attention); elsewhere the portable MLX-ops paths, which store the same bits. The shapes
+are fixed so the kernels compile a bounded number of template instances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvspec.conformance.backend import Backend
+from kvspec.conformance.bounds import attention_bound, deferred_attention_bound
+from kvspec.conformance.compare import assert_same_bits
+from kvspec.reference import affine, caches, turboquant
+from kvspec.reference.caches.turboquant import DeferredRead
+from kvspec.reference.deferred import failure_message
+from kvspec.reference.dtypes import FLOAT_DTYPES
+
+TURBO_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 1)).astype(FLOAT_DTYPES[dtype])
+
+
+def _poisoned_kv(seed: int, shape: tuple[int, int, int, int], dtype: str):
+    """k, v with one of each failure of TQ-3 in a row of its own (each group fails alone)."""
+    rng = np.random.default_rng(seed)
+    k = _normal(rng, shape, dtype)
+    v = _normal(rng, shape, dtype)
+    L = shape[2]
+    if L >= 4 and dtype != "bfloat16":
+        k[0, 0, 0, 5] = np.nan  # keys hold NaN
+        v[0, -1, 1, 7] = np.inf  # values hold inf
+        big = 60000.0 if dtype == "float16" else 1e6
+        k[0, -1, 2, 32:64] = big  # a constant group beyond float16 (f32 input only)
+        k[0, 0, 3, :32] = np.linspace(big - 1, big, 32)  # a zero point beyond float16
+    elif L >= 2:
+        k[0, 0, 0, 5] = np.nan
+        v[0, -1, 1, 7] = np.inf
+    return k, v
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("bits", [(8, 4), (4, 2), (3, 3), (5, 8), (2, 5)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_turboquant_deferred_encode_stores_the_reference_bits(
+    backend: Backend, head_dim: int, bits: tuple[int, int], dtype: str
+) -> None:
+    k_bits, v_bits = bits
+    for seed, shape in enumerate([(1, 2, 5, head_dim), (2, 1, 1, head_dim)]):
+        k, v = _poisoned_kv(seed, shape, dtype)
+        expected, expected_failure = turboquant.encode_deferred(k, v, k_bits, v_bits)
+        tq = backend.module("turboquant")
+        got, failure = tq.encode_deferred(
+            backend.from_numpy(k), backend.from_numpy(v), k_bits, v_bits
+        )
+        for name in TURBO_FIELDS:
+            assert_same_bits(
+                backend.to_numpy(getattr(got, name)), getattr(expected, name), f"DEFER-1 {name}"
+            )
+        assert int(backend.to_numpy(failure)) == expected_failure
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_turboquant_eager_encode_on_fused_path_stores_the_reference_bits(
+    backend: Backend, head_dim: int
+) -> None:
+    rng = np.random.default_rng(head_dim)
+    k = _normal(rng, (1, 4, 33, head_dim), "bfloat16")
+    v = _normal(rng, (1, 4, 33, head_dim), "bfloat16")
+    expected = turboquant.encode(k, v, 8, 4)
+    got = backend.module("turboquant").encode(backend.from_numpy(k), backend.from_numpy(v), 8, 4)
+    for name in TURBO_FIELDS:
+        assert_same_bits(backend.to_numpy(getattr(got, name)), getattr(expected, name), name)
+
+
+def test_turboquant_eager_encode_raises_the_first_check(backend: Backend) -> None:
+    k, v = _poisoned_kv(3, (1, 2, 5, 128), "float32")
+    k[0, 0, 0, 5] = 0.0  # keys now fail only by their float16 fields
+    tq = backend.module("turboquant")
+    with pytest.raises(ValueError, match="values hold NaN or inf"):
+        tq.encode(backend.from_numpy(k), backend.from_numpy(v), 8, 4)
+    v[0, -1, 1, 7] = 0.0
+    with pytest.raises(ValueError, match="key scale is beyond the float16 range"):
+        tq.encode(backend.from_numpy(k), backend.from_numpy(v), 8, 4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_affine_deferred_quantize_stores_the_reference_bits(
+    backend: Backend, bits: int, group_size: int, dtype: str
+) -> None:
+    rng = np.random.default_rng(bits * group_size)
+    w = _normal(rng, (3, 2, 256), dtype)
+    w[0, 0, 3] = np.nan
+    w[1, 1, 200] = -np.inf
+    if dtype == "float32":
+        w[2, 0, :2] = [3e38, -3e38]  # a range that overflows float32 (AFF-7)
+    expected = affine.quantize_deferred(w, group_size, bits)
+    got = backend.module("affine").quantize_deferred(backend.from_numpy(w), group_size, bits)
+    for slot, (a, e) in enumerate(zip(got[:3], expected[:3], strict=True)):
+        assert_same_bits(backend.to_numpy(a), e, f"DEFER-1 slot {slot}")
+    assert int(backend.to_numpy(got[3])) == expected[3] == 2
+    assert failure_message(affine.DEFERRED_CHECKS, expected[3]).startswith("input holds NaN")
+
+
+# READ-7: decode reads of every storage kind, against the reference's read of the same rows.
+READ_KINDS = {
+    "kv": lambda c: c.KVCache(),
+    "ring": lambda c: c.RotatingKVCache(40, keep=3),
+    "affine-4-64": lambda c: c.QuantizedKVCache(64, 4, checks="deferred"),
+    "affine-8-32": lambda c: c.QuantizedKVCache(32, 8, checks="deferred"),
+    "affine-3-128": lambda c: c.QuantizedKVCache(128, 3, checks="deferred"),
+    "affine-ring-6-64": lambda c: c.RotatingQuantizedKVCache(40, 64, 6, checks="deferred"),
+    "turbo-k8v4-dense": lambda c: c.TurboQuantKVCache(8, 4, "dense", checks="deferred"),
+    "turbo-k4v2-deferred": lambda c: c.TurboQuantKVCache(4, 2, "deferred", checks="deferred"),
+    "turbo-k3v5-dense": lambda c: c.TurboQuantKVCache(3, 5, "dense", checks="deferred"),
+    "bf16-first-turbo": lambda c: c.Bf16FirstTurboQuantKVCache(8, 3, 20, checks="deferred"),
+    "bf16-first-kv4-head256": lambda c: c.Bf16FirstKv4Head256Cache(10, checks="deferred"),
+}
+
+
+def _reference_read(ref: caches.Cache, k: np.ndarray, v: np.ndarray):
+    """The reference decode read; TurboQuant reads as the deferred kernels (READ-7 attends in
+    the rotated domain whichever kernels the cache names)."""
+    storage = ref.storage if isinstance(ref, caches.Bf16FirstCache) else ref
+    if isinstance(storage, caches.TurboQuantKVCache):
+        storage.kernels = "deferred"
+    return ref.append_decode(k, v)
+
+
+@pytest.mark.parametrize("kind", sorted(READ_KINDS))
+@pytest.mark.parametrize("groups", [1, 4, 8])
+def test_decode_read_of_stored_fields_is_within_bound(
+    backend: Backend, kind: str, groups: int
+) -> None:
+    head_dim = 256 if kind.endswith("head256") else 128
+    dtype = "float16" if kind == "kv" else "bfloat16"
+    rng = np.random.default_rng(groups)
+    ref = READ_KINDS[kind](caches)
+    acc = READ_KINDS[kind](backend.module("caches"))
+    # A prefill that crosses a growth step (CACHE-3) or wraps the ring, then decodes.
+    lengths = [300, 1, 1] if not kind.startswith(("ring", "affine-ring")) else [37, 1, 9, 1]
+    for L in lengths:
+        k = _normal(rng, (1, 2, L, head_dim), dtype)
+        v = _normal(rng, (1, 2, L, head_dim), dtype)
+        queries = _normal(rng, (1, 2 * groups, 1, head_dim), dtype)
+        if L > 1:
+            ref.append_window(k, v)
+            acc.append_window(backend.from_numpy(k), backend.from_numpy(v))
+            continue
+        want = _reference_read(ref, k, v)
+        got = acc.append_decode(backend.from_numpy(k), backend.from_numpy(v))
+        scale = head_dim**-0.5
+        expected = want.attend(queries, scale).astype(np.float64)
+        actual = backend.to_numpy(got.attend(backend.from_numpy(queries), scale))
+        assert actual.shape == expected.shape
+        if isinstance(want, DeferredRead):
+            bound = deferred_attention_bound(
+                queries, want.keys, want.rotated_values, scale, backend.attention_roundoff
+            )
+        else:
+            bound = attention_bound(
+                queries, want.keys, want.values, scale, backend.attention_roundoff
+            )
+        error = np.abs(actual.astype(np.float64) - expected)
+        assert np.all(error <= bound), f"{kind}: error {error.max()} > bound {bound.min()}"
+    acc.check()
+
+
+@pytest.mark.parametrize("kind", ["affine-4-64", "turbo-k8v4-dense", "bf16-first-turbo"])
+def test_a_bad_deferred_append_reads_nan_and_is_raised_once(backend: Backend, kind: str) -> None:
+    rng = np.random.default_rng(7)
+    ref = READ_KINDS[kind](caches)
+    acc = READ_KINDS[kind](backend.module("caches"))
+    k = _normal(rng, (1, 2, 40, 128), "bfloat16")
+    v = _normal(rng, (1, 2, 40, 128), "bfloat16")
+    for cache, to in ((ref, np.asarray), (acc, backend.from_numpy)):
+        cache.append_window(to(k), to(v))
+    bad_k = _normal(rng, (1, 2, 1, 128), "bfloat16")
+    bad_k[0, 1, 0, 9] = np.nan  # KV head 1 only
+    v1 = _normal(rng, (1, 2, 1, 128), "bfloat16")
+    queries = _normal(rng, (1, 4, 1, 128), "bfloat16")
+    out = backend.to_numpy(
+        acc.append_decode(backend.from_numpy(bad_k), backend.from_numpy(v1)).attend(
+            backend.from_numpy(queries), 128**-0.5
+        )
+    )
+    ref.append_decode(bad_k, v1)
+    # Query heads 2 and 3 read KV head 1: NaN, as bf16 storage of a NaN would give.
+    assert np.all(np.isnan(out[:, 2:].astype(np.float32)))
+    assert np.all(np.isfinite(out[:, :2].astype(np.float32)))
+    for cache in ref, acc:
+        with pytest.raises(ValueError, match="NaN or inf"):
+            cache.check()
+        cache.check()  # raised once
+    want, got = ref.state(), acc.state()
+    assert (want.offset, want.signature) == (got.offset, got.signature)
+    for slot, (a, e) in enumerate(zip(got.arrays, want.arrays, strict=True)):
+        assert_same_bits(backend.to_numpy(a), e, f"DEFER-1 {kind} slot {slot}")
+
+
+def test_state_raises_a_recorded_failure_first(backend: Backend) -> None:
+    cache = backend.module("caches").TurboQuantKVCache(8, 4, checks="deferred")
+    k = np.zeros((1, 1, 2, 64), np.float32)
+    k[0, 0, 1, 0] = np.inf
+    cache.append_window(backend.from_numpy(k), backend.from_numpy(np.ones_like(k)))
+    with pytest.raises(ValueError, match="keys hold NaN or inf"):
+        cache.state()
+    assert cache.state().offset == 2
+
+
+def test_deferred_check_append_checks_only_the_layout(backend: Backend) -> None:
+    cache = backend.module("caches").QuantizedKVCache(64, 4, checks="deferred")
+    bad = np.full((1, 1, 1, 128), np.nan, np.float32)
+    cache.check_append(backend.from_numpy(bad), backend.from_numpy(bad))
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        cache.check_append(backend.from_numpy(bad[..., :96]), backend.from_numpy(bad[..., :96]))
+    cache.check()
+    with pytest.raises(ValueError, match="checks must be one of"):
+        backend.module("caches").QuantizedKVCache(64, 4, checks="lazy")
