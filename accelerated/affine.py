@@ -138,10 +138,10 @@ def _quantize_mlx_cpu(
 
 
 def _quantize_cuda(w: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    wq, scales, biases, status = affine_kernels.quantize_groups(w, group_size, bits)
-    worst = mx.max(status).item()
-    if worst:
-        raise ValueError(DEFERRED_CHECKS[len(DEFERRED_CHECKS) - worst])
+    wq, scales, biases, failure = affine_kernels.quantize_groups(w, group_size, bits)
+    rank = failure.item()
+    if rank:
+        raise ValueError(DEFERRED_CHECKS[len(DEFERRED_CHECKS) - rank])
     return wq, scales, biases
 
 
@@ -202,19 +202,23 @@ def _quantize_deferred_ops(
 
 
 def quantize_deferred(
-    w: mx.array, group_size: int = 64, bits: int = 4
+    w: mx.array, group_size: int = 64, bits: int = 4, prior: mx.array | None = None
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(wq, scales, biases, failure) with no host read: groups AFF-1 or AFF-7 would reject
-    stored as codes 0, bias 0 and a quiet NaN scale (DEFER-1), and a lazy uint32 failure
-    rank (DEFER-2). On CUDA one kernel; elsewhere MLX operations, the same bits."""
+    stored as codes 0, bias 0 and a quiet NaN scale (DEFER-1), and a lazy uint32 [1] failure
+    rank (DEFER-2), the larger of this encode's and `prior` (a cache's running rank,
+    DEFER-3). On CUDA one kernel; elsewhere MLX operations, the same bits."""
     validate_layout(w, group_size, bits)
     if w.size == 0:
-        return (*quantize(w, group_size, bits), mx.array(0, mx.uint32))
+        failure = affine_kernels.no_failure() if prior is None else prior
+        return (*quantize(w, group_size, bits), failure)
     if _default_encoder() == "cuda":
-        wq, scales, biases, status = affine_kernels.quantize_groups(w, group_size, bits)
-        return wq, scales, biases, mx.max(status).astype(mx.uint32)
+        return affine_kernels.quantize_groups(w, group_size, bits, prior)
     wq, scales, biases, failure = _quantize_deferred_ops(w, group_size, bits)
-    return wq, scales, biases, failure.astype(mx.uint32)
+    failure = failure.astype(mx.uint32).reshape(1)
+    if prior is not None:
+        failure = mx.maximum(prior, failure)
+    return wq, scales, biases, failure
 
 
 def dequantize(

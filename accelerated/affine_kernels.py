@@ -5,9 +5,10 @@ packed into the group's own words (a group of 32, 64 or 128 codes fills whole wo
 at every width), one word per lane. Every float step is an explicitly rounded IEEE
 intrinsic (`__fsub_rn`, `__fdiv_rn`, `rintf`), so neither compiler flags nor
 contraction can change a bit.
-The kernel also reports, per group, input the format cannot hold (AFF-1, AFF-7) as its
-DEFER-2 failure rank: 2 for NaN or inf, 1 for a range or edge / scale that overflows
-float32; such a group is stored as DEFER-1 says (codes 0, bias 0, a quiet NaN scale).
+The kernel also ranks input the format cannot hold (AFF-1, AFF-7) as DEFER-2 does: 2 for
+NaN or inf, 1 for a range or edge / scale that overflows float32; such a group is stored as
+DEFER-1 says (codes 0, bias 0, a quiet NaN scale). Each block folds its groups' largest
+rank into a prior one (DEFER-3), so a cache's running rank costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -19,19 +20,24 @@ import mlx.core as mx
 from kvspec.accelerated.dtypes import dtype_name
 from kvspec.reference.dtypes import QUIET_NAN_BITS
 
-_WARPS_PER_BLOCK = 8  # as in the kernel source
+_WARPS_PER_BLOCK = 32  # as in the kernel source: a decode step's groups fit in one block
 
 _SOURCE = r"""
     // One warp per group; lane l holds elements l, l + 32, ... (reads coalesce).
     constexpr int PER_LANE = GROUP / 32;
     constexpr int WORDS = GROUP * BITS / 32;
-    constexpr int WARPS_PER_BLOCK = 8;
+    constexpr int WARPS_PER_BLOCK = 32;
     __shared__ unsigned char codes[WARPS_PER_BLOCK * GROUP];
+    __shared__ unsigned int block_rank;
     const unsigned int lane = threadIdx.x & 31;
     const unsigned int warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) block_rank = 0;
+    __syncthreads();
     const unsigned long long group = (unsigned long long)blockIdx.x * WARPS_PER_BLOCK + warp;
-    if (group >= n_groups[0]) return;
-    const T* src = w + group * GROUP;
+    unsigned long long size = 1;
+    for (int axis = 0; axis < w_ndim; ++axis) size *= w_shape[axis];
+    const bool active = group < size / GROUP;
+    const T* src = w + (active ? group : 0) * GROUP;
     float x[PER_LANE];
     float w_min = __int_as_float(0x7f800000);
     float w_max = -w_min;
@@ -59,14 +65,15 @@ _SOURCE = r"""
         scale = __fdiv_rn(edge, q0);
         bias = edge;
     }
-    const unsigned char failure = !finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
+    // DEFER-2's rank of the group's first failed check of AFF-1, AFF-7 (0: none).
+    const unsigned int failure = !finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
     unsigned char* own = codes + warp * GROUP;
     for (int k = 0; k < PER_LANE; ++k) {
         float q = rintf(__fdiv_rn(__fsub_rn(x[k], bias), scale));
         own[lane + 32 * k] = failure ? 0 : (unsigned char)fminf(fmaxf(q, 0.0f), n_bins);
     }
     __syncwarp();
-    if (lane < WORDS) {
+    if (active && lane < WORDS) {
         // Word `lane` holds stream bits [32 lane, 32 lane + 32) (BITS-2).
         unsigned int word = 0;
         for (int i = (32 * lane) / BITS; i <= (32 * lane + 31) / BITS; ++i) {
@@ -76,14 +83,17 @@ _SOURCE = r"""
         }
         wq[group * WORDS + lane] = word;
     }
-    if (lane == 0) {
+    if (active && lane == 0) {
         T nan_value;
         const unsigned int nan_bits = NAN_BITS;
         memcpy(&nan_value, &nan_bits, sizeof(T));  // little-endian: the low bytes
         scales[group] = failure ? nan_value : static_cast<T>(scale);
         biases[group] = static_cast<T>(failure ? 0.0f : bias);
-        status[group] = failure;
+        if (failure) atomicMax(&block_rank, failure);
     }
+    __syncthreads();
+    // The block's rank folded into the prior one (DEFER-3); the caller folds the blocks.
+    if (threadIdx.x == 0) total[blockIdx.x] = max(prior[0], block_rank);
 """
 
 
@@ -91,20 +101,29 @@ _SOURCE = r"""
 def _kernel() -> object:
     return mx.fast.cuda_kernel(
         name="kvspec_affine_quantize",
-        input_names=["w", "n_groups"],
-        output_names=["wq", "scales", "biases", "status"],
+        input_names=["w", "prior"],
+        output_names=["wq", "scales", "biases", "total"],
         source=_SOURCE,
     )
 
 
+@cache
+def no_failure() -> mx.array:
+    """The rank of no failure (DEFER-2), uint32 [1]: the prior of a first encode."""
+    return mx.zeros((1,), mx.uint32)
+
+
 def quantize_groups(
-    w: mx.array, group_size: int, bits: int
+    w: mx.array, group_size: int, bits: int, prior: mx.array | None = None
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """(wq, scales, biases, status) of `w` [..., D]; status (uint8) per group as above."""
+    """(wq, scales, biases, failure) of `w` [..., D]: failure (uint32 [1]) is the largest
+    DEFER-2 rank of any group and of `prior` (uint32 [1]). One launch when the groups fit one
+    block (a decode step's do); else the blocks' ranks are folded by one more op."""
     *lead, D = w.shape
     n_groups = w.size // group_size
-    return _kernel()(
-        inputs=[w, mx.array([n_groups], dtype=mx.uint32)],
+    blocks = -(-n_groups // _WARPS_PER_BLOCK)
+    wq, scales, biases, totals = _kernel()(
+        inputs=[w, no_failure() if prior is None else prior],
         template=[
             ("T", w.dtype),
             ("GROUP", group_size),
@@ -113,6 +132,8 @@ def quantize_groups(
         ],
         grid=(n_groups * 32, 1, 1),
         threadgroup=(_WARPS_PER_BLOCK * 32, 1, 1),
-        output_shapes=[(*lead, D * bits // 32)] + [(*lead, D // group_size)] * 3,
-        output_dtypes=[mx.uint32, w.dtype, w.dtype, mx.uint8],
+        output_shapes=[(*lead, D * bits // 32)] + [(*lead, D // group_size)] * 2 + [(blocks,)],
+        output_dtypes=[mx.uint32, w.dtype, w.dtype, mx.uint32],
     )
+    failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
+    return wq, scales, biases, failure

@@ -21,6 +21,7 @@ from functools import cache
 import mlx.core as mx
 
 from kvspec.accelerated import bits as bitstream
+from kvspec.accelerated.affine_kernels import no_failure
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.accelerated.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, quiet_nan, widen
 from kvspec.accelerated.turboquant_kernels import fused_decode, fused_encode
@@ -358,11 +359,20 @@ def _check_encode_layout(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> 
 
 
 def _fused_encode(
-    k: mx.array, v: mx.array, k_bits: int, v_bits: int
+    k: mx.array, v: mx.array, k_bits: int, v_bits: int, prior: mx.array | None
 ) -> tuple[TurboQuantTensor, mx.array]:
-    """The tensor and lazy uint32 failure rank from the fused CUDA kernel (DEFER-1, DEFER-2)."""
-    *fields, failures = fused_encode(k, v, boundaries(v_bits), signs(k.shape[-1]), k_bits, v_bits)
-    return TurboQuantTensor(*fields), mx.max(failures).astype(mx.uint32)
+    """The tensor and lazy uint32 [1] failure rank from the fused CUDA kernel (DEFER-1,
+    DEFER-2), folded with `prior`."""
+    *fields, failure = fused_encode(
+        k,
+        v,
+        boundaries(v_bits),
+        signs(k.shape[-1]),
+        no_failure() if prior is None else prior,
+        k_bits,
+        v_bits,
+    )
+    return TurboQuantTensor(*fields), failure
 
 
 def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTensor:
@@ -370,7 +380,7 @@ def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTens
     in one host read (on CUDA, one fused kernel computes fields and checks)."""
     _check_encode_layout(k, v, k_bits, v_bits)
     if fused_kernels_enabled() and k.size > 0:
-        tensor, failure = _fused_encode(k, v, k_bits, v_bits)
+        tensor, failure = _fused_encode(k, v, k_bits, v_bits, None)
         rank = failure.item()
         if rank:
             raise ValueError(DEFERRED_CHECKS[len(DEFERRED_CHECKS) - rank])
@@ -389,14 +399,15 @@ def encode(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> TurboQuantTens
 
 
 def encode_deferred(
-    k: mx.array, v: mx.array, k_bits: int, v_bits: int
+    k: mx.array, v: mx.array, k_bits: int, v_bits: int, prior: mx.array | None = None
 ) -> tuple[TurboQuantTensor, mx.array]:
     """(tensor, failure) with no host read: groups TQ-3 would reject stored as DEFER-1
-    says, and a lazy uint32 failure rank (DEFER-2). On CUDA one fused kernel; elsewhere
-    MLX operations, the same bits."""
+    says, and a lazy uint32 [1] failure rank (DEFER-2), the larger of this encode's and
+    `prior` (a cache's running rank, DEFER-3). On CUDA one fused kernel; elsewhere MLX
+    operations, the same bits."""
     _check_encode_layout(k, v, k_bits, v_bits)
     if fused_kernels_enabled() and k.size > 0:
-        return _fused_encode(k, v, k_bits, v_bits)
+        return _fused_encode(k, v, k_bits, v_bits, prior)
     x = _grouped(widen(k))
     key_nonfinite = ~mx.all(mx.isfinite(x), axis=-1)
     codes, scale, zero = key_codes(mx.where(key_nonfinite[..., None], 0.0, x), k_bits)
@@ -414,9 +425,9 @@ def encode_deferred(
     indices = mx.where(value_failed[..., None], 0, _grouped(indices)).astype(mx.uint8)
     failed = [mx.any(key_nonfinite), value_nonfinite, mx.any(scale_beyond)]
     failed += [mx.any(zero_beyond), mx.any(value_failed)]
-    failure = mx.array(0, mx.uint32)
+    failure = no_failure() if prior is None else prior
     for i, failed_here in reversed(list(enumerate(failed))):
-        failure = mx.where(failed_here, len(DEFERRED_CHECKS) - i, failure)
+        failure = mx.where(failed_here, mx.maximum(failure, len(DEFERRED_CHECKS) - i), failure)
     tensor = TurboQuantTensor(
         k_idx=pack_bits(_key_indices(codes, k_bits).reshape(k.shape), k_bits),
         k_scales=mx.where(key_failed, nan16, scales),

@@ -135,16 +135,30 @@ def fused_decode(
 
 # TQ-3 .. TQ-10 in one pass: each block encodes one position of one head, keys and values.
 _ENCODE_SOURCE = r"""
-    // Thread j holds element j; warp w is key group w and value group w (groups of 32).
-    const unsigned int row = blockIdx.x;
+    // Block: R rows (positions of a head) of D threads; thread (j, r) holds element j of
+    // row r. Warp w of a row is key group w and value group w (groups of 32).
     const unsigned int j = threadIdx.x;
+    const unsigned int r = threadIdx.y;
+    const unsigned int R = blockDim.y;
     const unsigned int lane = j & 31;
     const unsigned int group = j >> 5;
-    const unsigned long long base = (unsigned long long)row * D;
-    const unsigned long long group_base = (unsigned long long)row * (D / 32);
-    __shared__ unsigned char key_codes[D];
-    __shared__ unsigned char value_codes[D];
-    __shared__ float lane_values[D];
+    unsigned long long rows = 1;
+    for (int axis = 0; axis < k_ndim - 1; ++axis) rows *= k_shape[axis];
+    const unsigned long long row_index = (unsigned long long)blockIdx.x * R + r;
+    const bool active = row_index < rows;
+    const unsigned long long row = active ? row_index : rows - 1;
+    const unsigned long long base = row * D;
+    const unsigned long long group_base = row * (D / 32);
+    __shared__ unsigned char key_codes[1024];
+    __shared__ unsigned char value_codes[1024];
+    __shared__ float lane_values[1024];
+    __shared__ unsigned int row_failures[32];
+    __shared__ unsigned int block_rank;
+    unsigned char* own_keys = key_codes + r * D;
+    unsigned char* own_values = value_codes + r * D;
+    float* own_lanes = lane_values + r * D;
+    if (j == 0) row_failures[r] = 0;
+    if (j == 0 && r == 0) block_rank = 0;
     const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
 
     // TQ-4 keys: the group's range, scale, step and zero point, each one IEEE operation.
@@ -186,30 +200,29 @@ _ENCODE_SOURCE = r"""
     // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
     const int key_code = key_ok ? (int)code : 0;
     if (is_signed) {
-        k_idx[base + j] = (signed char)key_code;
+        if (active) k_idx[base + j] = (signed char)key_code;
     } else {
-        key_codes[j] = (unsigned char)key_code;
+        own_keys[j] = (unsigned char)key_code;
     }
-    if (lane == 0) {
+    if (active && lane == 0) {
         k_scales[group_base + group] = key_ok ? scale16 : nan16;
         k_zeros[group_base + group] = key_ok ? zero16 : __float2half_rn(0.0f);
     }
 
     // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
     const float value = static_cast<float>(v[base + j]);
-    const bool value_finite = __syncthreads_and(isfinite(value));
-    lane_values[j] = __fmul_rn(value, signs[j]);
+    own_lanes[j] = __fmul_rn(value, signs[j]);
     __syncthreads();
     for (unsigned int h = 1; h < D; h <<= 1) {
         if ((j & h) == 0) {
-            const float a = lane_values[j];
-            const float b = lane_values[j + h];
-            lane_values[j] = __fadd_rn(a, b);
-            lane_values[j + h] = __fsub_rn(a, b);
+            const float a = own_lanes[j];
+            const float b = own_lanes[j + h];
+            own_lanes[j] = __fadd_rn(a, b);
+            own_lanes[j + h] = __fsub_rn(a, b);
         }
         __syncthreads();
     }
-    const float y = __fmul_rn(lane_values[j], __int_as_float(INV_SQRT_BITS));
+    const float y = __fmul_rn(own_lanes[j], __int_as_float(INV_SQRT_BITS));
     // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1).
     float partial = __fmul_rn(y, y);
     for (int w = 16; w > 0; w >>= 1) {
@@ -225,45 +238,44 @@ _ENCODE_SOURCE = r"""
     for (unsigned int stride = 1u << (VBITS - 1); stride >= 1; stride >>= 1) {
         if (boundaries[count + stride - 1] < u) count += stride;
     }
-    value_codes[j] = value_ok ? (unsigned char)count : 0;
-    if (lane == 0) v_scales[group_base + group] = value_ok ? rms16 : nan16;
+    own_values[j] = value_ok ? (unsigned char)count : 0;
+    if (active && lane == 0) v_scales[group_base + group] = value_ok ? rms16 : nan16;
 
-    // DEFER-2: the row's failures as the number of TQ-3 checks after its first failed
-    // one, plus 1 (0: none), so that the largest over rows names the earliest check.
-    __shared__ unsigned int row_failures;
-    if (j == 0) row_failures = 0;
-    __syncthreads();
+    // DEFER-2: bit i of a row's failures is TQ-3's check i; the row's rank names its
+    // lowest bit, the block's rank is the largest, folded into the prior one (DEFER-3).
     unsigned int bits = 0;
-    if (!finite) bits |= 1u;
-    if (!value_finite) bits |= 2u;
-    if (finite && !scale_fits) bits |= 4u;
-    if (finite && !zero_fits) bits |= 8u;
-    if (value_finite && !value_ok) bits |= 16u;
-    if (lane == 0 && bits != 0) atomicOr(&row_failures, bits);
+    if (!finite && lane == 0) bits |= 1u;
+    if (!isfinite(value)) bits |= 2u;
+    if (!scale_fits && lane == 0) bits |= 4u;
+    if (!zero_fits && lane == 0) bits |= 8u;
+    if (!value_ok && lane == 0) bits |= 16u;
+    if (active && bits != 0) atomicOr(&row_failures[r], bits);
     __syncthreads();
+    if (j == 0 && row_failures[r] != 0) {
+        atomicMax(&block_rank, CHECKS - __ffs(row_failures[r]) + 1);
+    }
 
     // TQ-9: each vector's codes as one LSB-first byte stream; thread m writes byte m.
-    if (!is_signed && j < D * KBITS / 8) {
+    if (active && !is_signed && j < D * KBITS / 8) {
         unsigned int byte = 0;
         for (unsigned int i = (8 * j) / KBITS; i <= (8 * j + 7) / KBITS; ++i) {
             const int shift = (int)(i * KBITS) - (int)(8 * j);
-            const unsigned int c = key_codes[i];
+            const unsigned int c = own_keys[i];
             byte |= shift >= 0 ? c << shift : c >> -shift;
         }
-        k_idx[(unsigned long long)row * (D * KBITS / 8) + j] = (unsigned char)byte;
+        k_idx[row * (D * KBITS / 8) + j] = (unsigned char)byte;
     }
-    if (j < D * VBITS / 8) {
+    if (active && j < D * VBITS / 8) {
         unsigned int byte = 0;
         for (unsigned int i = (8 * j) / VBITS; i <= (8 * j + 7) / VBITS; ++i) {
             const int shift = (int)(i * VBITS) - (int)(8 * j);
-            const unsigned int c = value_codes[i];
+            const unsigned int c = own_values[i];
             byte |= shift >= 0 ? c << shift : c >> -shift;
         }
-        v_packed[(unsigned long long)row * (D * VBITS / 8) + j] = (unsigned char)byte;
+        v_packed[row * (D * VBITS / 8) + j] = (unsigned char)byte;
     }
-    if (j == 0) {
-        failure[row] = row_failures == 0 ? 0 : (unsigned char)(CHECKS - __ffs(row_failures) + 1);
-    }
+    __syncthreads();
+    if (j == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);
 """
 
 
@@ -271,8 +283,8 @@ _ENCODE_SOURCE = r"""
 def _encode_kernel() -> object:
     return mx.fast.cuda_kernel(
         name="kvspec_turboquant_encode",
-        input_names=["k", "v", "boundaries", "signs"],
-        output_names=["k_idx", "k_scales", "k_zeros", "v_packed", "v_scales", "failure"],
+        input_names=["k", "v", "boundaries", "signs", "prior"],
+        output_names=["k_idx", "k_scales", "k_zeros", "v_packed", "v_scales", "total"],
         source=_ENCODE_SOURCE,
     )
 
@@ -282,38 +294,42 @@ def fused_encode(
     v: mx.array,
     boundaries: mx.array,
     signs: mx.array,
+    prior: mx.array,
     k_bits: int,
     v_bits: int,
 ) -> tuple[mx.array, ...]:
-    """The five stored fields of k, v [B, H, L, D] (TQ-10), in one launch, and per row
-    (uint8 [B, H, L]) its failure rank: 0 when every check of TQ-3 passed, else the number
-    of checks from its first failed one to the last (so the largest rank over rows names
-    the earliest failed check). Groups that fail are stored as DEFER-1 says. Shapes, dtypes
-    and widths are validated by the caller (turboquant.encode)."""
+    """The five stored fields of k, v [B, H, L, D] (TQ-10), in one launch, and the failure
+    (uint32 [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups
+    that fail are stored as DEFER-1 says. A block takes as many rows as 1024 threads hold,
+    so a decode step's rows fit one block; more blocks' ranks are folded by one more op.
+    Shapes, dtypes and widths are validated by the caller (turboquant.encode)."""
     B, H, L, D = k.shape
+    rows = B * H * L
+    per_block = max(1, min(rows, 1024 // D))
+    blocks = -(-rows // per_block)
     groups = (B, H, L, D // 32)
     k_dtype = mx.int8 if k_bits == 8 else mx.uint8
-    return tuple(
-        _encode_kernel()(
-            inputs=[k, v, boundaries, signs],
-            template=[
-                ("T", k.dtype),  # names the instance: NVRTC compiles one per input dtype
-                ("D", D),
-                ("KBITS", k_bits),
-                ("VBITS", v_bits),
-                ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
-                ("CHECKS", len(DEFERRED_CHECKS)),
-            ],
-            grid=(B * H * L * D, 1, 1),
-            threadgroup=(D, 1, 1),
-            output_shapes=[
-                (B, H, L, D * k_bits // 8),
-                groups,
-                groups,
-                (B, H, L, D * v_bits // 8),
-                groups,
-                (B, H, L),
-            ],
-            output_dtypes=[k_dtype, mx.float16, mx.float16, mx.uint8, mx.float16, mx.uint8],
-        )
+    *fields, totals = _encode_kernel()(
+        inputs=[k, v, boundaries, signs, prior],
+        template=[
+            ("T", k.dtype),  # names the instance: NVRTC compiles one per input dtype
+            ("D", D),
+            ("KBITS", k_bits),
+            ("VBITS", v_bits),
+            ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
+            ("CHECKS", len(DEFERRED_CHECKS)),
+        ],
+        grid=(blocks * D, per_block, 1),
+        threadgroup=(D, per_block, 1),
+        output_shapes=[
+            (B, H, L, D * k_bits // 8),
+            groups,
+            groups,
+            (B, H, L, D * v_bits // 8),
+            groups,
+            (blocks,),
+        ],
+        output_dtypes=[k_dtype, mx.float16, mx.float16, mx.uint8, mx.float16, mx.uint32],
     )
+    failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
+    return (*fields, failure)

@@ -68,18 +68,28 @@ class Row:
     ratio: float
     bytes_per_token: int = 0
     floor_fraction: float = 0.0
+    host_us: float = 0.0
 
 
 def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median wall time of one evaluated call of `run`, after `warmup` calls."""
+    return timed(run, repeats, warmup)[0]
+
+
+def timed(run: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """Medians of (wall time of one evaluated call, time to build its graph on the host)."""
     for _ in range(warmup):
         mx.eval(run())
-    times = []
+    times, builds = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        mx.eval(run())
+        graph = run()
+        built = time.perf_counter()
+        mx.eval(graph)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        builds.append(built - start)
+    middle = len(times) // 2
+    return sorted(times)[middle], sorted(builds)[middle]
 
 
 def read_bandwidth(megabytes: int, repeats: int) -> float:
@@ -154,16 +164,30 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
         for cache in layer_caches:
             cache.append_window(prefill_k, prefill_v)
         mx.eval([cache.state().arrays for cache in layer_caches])
-        step = per_layer(
-            lambda cs=layer_caches: [c.append_decode(k1, v1).attend(q, scale) for c in cs]
+        step, host = timed(
+            lambda cs=layer_caches: [c.append_decode(k1, v1).attend(q, scale) for c in cs],
+            repeats,
         )
+        step, host = step / layers, host / layers
         per_token = layer_caches[0].bytes_per_token()
         reads = [c.append_decode(k1, v1) for c in layer_caches]
-        attend = per_layer(lambda rs=reads: [r.attend(q, scale) for r in rs])
+        attend, attend_host = timed(lambda rs=reads: [r.attend(q, scale) for r in rs], repeats)
+        attend, attend_host = attend / layers, attend_host / layers
         floor = per_token * layer_caches[0].offset / bandwidth
-        rows.append(Row("step", name, context, step * 1e6, step / bare, per_token))
         rows.append(
-            Row("attend", name, context, attend * 1e6, attend / bare, per_token, floor / attend)
+            Row("step", name, context, step * 1e6, step / bare, per_token, host_us=host * 1e6)
+        )
+        rows.append(
+            Row(
+                "attend",
+                name,
+                context,
+                attend * 1e6,
+                attend / bare,
+                per_token,
+                floor / attend,
+                attend_host * 1e6,
+            )
         )
         for cache in layer_caches:
             cache.check()
@@ -207,15 +231,15 @@ def print_rows(rows: list[Row]) -> None:
             continue
         unit = "copy time / encode" if table == "encode" else "x bare bf16 SDPA"
         print(f"\n{table}: per layer  (ratio: {unit})")
-        print(
-            f"{'':{width}}  {'context':>7}  {'us':>8}  {'ratio':>6}  {'B/token':>7}  {'floor':>5}"
-        )
+        header = f"{'context':>7}  {'us':>8}  {'ratio':>6}  {'B/token':>7}  {'floor':>5}  host"
+        print(f"{'':{width}}  {header}")
         for row in chosen:
             floor = f"{row.floor_fraction:5.2f}" if row.floor_fraction else ""
             per_token = str(row.bytes_per_token) if row.bytes_per_token else ""
+            host = f"{row.host_us:5.1f}" if row.host_us else ""
             print(
                 f"{row.what:{width}}  {row.context:7d}  {row.us:8.1f}  {row.ratio:6.2f}  "
-                f"{per_token:>7}  {floor:>5}"
+                f"{per_token:>7}  {floor:>5}  {host}"
             )
 
 

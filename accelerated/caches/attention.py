@@ -17,27 +17,26 @@ def attention(
     """READ-1: queries [B, Hq, N, D] over keys [B, Hk, T, D], values [B, Hk, T, Dv]."""
     if tuple(values.shape[:3]) != tuple(keys.shape[:3]):
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} do not fit")
-    queries = checked_queries(queries, tuple(keys.shape), keys.dtype)
+    check_queries(queries, tuple(keys.shape), keys.dtype)
+    if keys.dtype == mx.float32:
+        # Float32 keys (TurboQuant's reads, TQC-2): widening the queries is exact.
+        queries = queries.astype(mx.float32)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-def checked_queries(
+def check_queries(
     queries: mx.array, keys_shape: tuple[int, int, int, int], keys_dtype: mx.Dtype
-) -> mx.array:
-    """READ-1: queries [B, Hq, N, D] that fit keys [B, Hk, T, D] of `keys_dtype`, in that
-    dtype; ValueError otherwise."""
+) -> None:
+    """READ-1: ValueError unless queries [B, Hq, N, D] fit keys [B, Hk, T, D] of
+    `keys_dtype`: the same dtype, or any float format for float32 keys (widened exactly)."""
     B, Hq, _, D = queries.shape
     _, Hk, _, _ = keys_shape
     if tuple(keys_shape[:2]) != (B, Hk) or keys_shape[3] != D:
         raise ValueError(f"queries {tuple(queries.shape)} do not fit keys {keys_shape}")
     if Hq % Hk != 0:
         raise ValueError(f"query heads {Hq} are not a multiple of key heads {Hk}")
-    if keys_dtype == mx.float32:
-        # Float32 keys (TurboQuant's reads, TQC-2): widening the queries is exact.
-        queries = queries.astype(mx.float32)
-    if queries.dtype != keys_dtype:
+    if keys_dtype != mx.float32 and queries.dtype != keys_dtype:
         raise ValueError(f"queries are {queries.dtype}, keys {keys_dtype}: use one dtype")
-    return queries
 
 
 def attention_roundoff() -> float:

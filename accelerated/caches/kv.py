@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvspec.accelerated.caches.reads import ReadMethods
+from kvspec.accelerated.caches.storage import PlainFields
 from kvspec.reference.caches import kv
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ class GrowingStorage(ReadMethods, kv.GrowingStorage):
     """CACHE-3 storage over mx.array."""
 
 
-class KVCache(GrowingStorage, kv.KVCache):
+class KVCache(PlainFields, GrowingStorage, kv.KVCache):
     """Keys and values stored as given (CACHE-3), on MLX."""
 
     def _new_quantized(self, group_size: int, bits: int, checks: str) -> QuantizedKVCache:

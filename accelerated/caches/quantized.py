@@ -10,6 +10,7 @@ import mlx.core as mx
 from kvspec.accelerated import affine
 from kvspec.accelerated.attention_kernels import AFFINE, StoredSide
 from kvspec.accelerated.caches.kv import GrowingStorage
+from kvspec.accelerated.caches.reads import running
 from kvspec.reference.caches import quantized
 from kvspec.reference.caches.quantized import check_affine_parameters
 from kvspec.reference.caches.storage import Fields
@@ -22,11 +23,19 @@ class AffineFields(quantized.AffineFields):
 
     affine: ModuleType = affine
 
+    def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
+        """DEFER-1 .. DEFER-3 with the running rank folded inside the encodes: no op of its
+        own (one launch each for k and v on CUDA)."""
+        self._check_head_dims(k, v)
+        *keys, failure = affine.quantize_deferred(k, self.group_size, self.bits, running(self))
+        *values, failure = affine.quantize_deferred(v, self.group_size, self.bits, failure)
+        return (*keys, *values), failure
+
     def _stored_sides(
-        self, live: Fields
+        self, fields: Fields
     ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
         """READ-7: words, scales and biases of keys and values (AFF-5)."""
-        k_words, k_scales, k_biases, v_words, v_scales, v_biases = live
+        k_words, k_scales, k_biases, v_words, v_scales, v_biases = fields
         sides = [
             StoredSide(AFFINE, words, scales, biases, self.bits, self.group_size, dim)
             for words, scales, biases in (

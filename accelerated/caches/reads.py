@@ -4,8 +4,9 @@ attention reads the codes where they lie (READ-7)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ import mlx.core as mx
 from kvspec.accelerated import attention_kernels, dtypes
 from kvspec.accelerated.attention_kernels import PLAIN, StoredSide
 from kvspec.accelerated.caches import masks
-from kvspec.accelerated.caches.attention import attention, checked_queries
+from kvspec.accelerated.caches.attention import attention, check_queries
 from kvspec.accelerated.caches.protocol import Mask, Read
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import reads
@@ -58,11 +59,10 @@ class StoredRead:
         ):
             return self.decoded().attend(queries, scale)
         codes = self.keys.codes
-        queries = checked_queries(
-            queries, (B, codes.shape[1], codes.shape[2], self.keys.dim), self.read_dtype
-        )
+        check_queries(queries, (B, codes.shape[1], codes.shape[2], self.keys.dim), self.read_dtype)
+        # The kernels widen the queries themselves; the output is in the read's format.
         return attention_kernels.decode_attention(
-            queries, self.keys, self.values, scale, self.codebook, self.signs, queries.dtype
+            queries, self.keys, self.values, scale, self.codebook, self.signs, self.read_dtype
         )
 
 
@@ -88,21 +88,31 @@ class ReadMethods(reads.ReadMethods):
         if mask is not None:
             return super().append_and_read(k, v, mask)
         self._append(k, v)
-        live = self._live()
-        keys, values, codebook, signs = self._stored_sides(live)
+        assert self._fields is not None and self.layout is not None
+        # Snapshots of the buffers as they are now (a later write rebinds the fields' own
+        # arrays, never these), whole: only the key codes are cut to the live rows, which
+        # tells the kernels how many there are. No op but that one slice.
+        fields = tuple(copy.copy(field) for field in self._fields)
+        rows = self._live_rows()
+        keys, values, codebook, signs = self._stored_sides(fields)
+        keys = replace(keys, codes=keys.codes[:, :, :rows])
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
-        return StoredRead(keys, values, read_dtype, codebook, signs, lambda: self._read_of(live))
+
+        def decoded() -> Read:
+            return self._read_of(tuple(field[:, :, :rows] for field in fields))
+
+        return StoredRead(keys, values, read_dtype, codebook, signs, decoded)
 
     def _read_of(self, live: Fields) -> Read:
         """READ-2's read of live fields, decoded."""
         return self.dense_read(*self._decode(live), None)
 
     def _stored_sides(
-        self, live: Fields
+        self, fields: Fields
     ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
-        """READ-7: keys and values of live fields as stored, with the value codebook and signs
-        where values stay rotated. Here fields stored as given (CACHE-3, RING-1)."""
-        keys, values = live
+        """READ-7: keys and values of the stored fields as they lie, with the value codebook
+        and signs where values stay rotated. Here fields stored as given (CACHE-3, RING-1)."""
+        keys, values = fields
         return (
             StoredSide(PLAIN, keys, None, None, 0, 0, keys.shape[-1]),
             StoredSide(PLAIN, values, None, None, 0, 0, values.shape[-1]),
@@ -111,9 +121,16 @@ class ReadMethods(reads.ReadMethods):
         )
 
     def _record_failure(self, fields: Fields, failure: mx.array) -> Fields:
-        """DEFER-3: keep the largest rank as a lazy scalar, and return the fields to store
-        tied to it, so evaluating what was stored evaluates the record: its graph stays one
-        step deep however long a decode loop runs, and no step reads it on the host."""
-        total = mx.maximum(self._failure, failure)
-        self._failure = total
-        return tuple(mx.depends(list(fields), [total]))
+        """DEFER-3: keep the running rank as a lazy uint32 [1], and return the fields to
+        store with the first tied to it, so evaluating what was stored evaluates the rank:
+        its graph stays one step deep however long a decode loop runs, and no step reads
+        it on the host."""
+        self._failure = failure
+        first, *rest = fields
+        return (mx.depends(first, failure), *rest)
+
+
+def running(storage: ReadMethods) -> mx.array | None:
+    """A deferred storage's running failure rank (DEFER-3); None before its first record."""
+    failure = storage._failure
+    return failure if isinstance(failure, mx.array) else None

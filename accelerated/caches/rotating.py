@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvspec.accelerated.caches.reads import ReadMethods
+from kvspec.accelerated.caches.storage import PlainFields
 from kvspec.reference.caches import rotating
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ class RingStorage(ReadMethods, rotating.RingStorage):
     """RING-1 storage over mx.array."""
 
 
-class RotatingKVCache(RingStorage, rotating.RotatingKVCache):
+class RotatingKVCache(PlainFields, RingStorage, rotating.RotatingKVCache):
     """Keys and values stored as given in a ring (RING-1), on MLX."""
 
     def _new_quantized(self, group_size: int, bits: int, checks: str) -> RotatingQuantizedKVCache:

@@ -11,6 +11,7 @@ from kvspec.accelerated import turboquant
 from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredSide
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
+from kvspec.accelerated.caches.reads import running
 from kvspec.reference.caches import turboquant as reference
 from kvspec.reference.caches.protocol import Read
 from kvspec.reference.caches.storage import Fields
@@ -32,6 +33,11 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
     turboquant: ModuleType = turboquant
     deferred_read: type[reference.DeferredRead] = DeferredRead
 
+    def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
+        """DEFER-1 .. DEFER-3 with the running rank folded inside the encode (TQ-10)."""
+        t, failure = turboquant.encode_deferred(k, v, self.k_bits, self.v_bits, running(self))
+        return (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales), failure
+
     def _read_of(self, live: Fields) -> Read:
         """READ-2's read of live fields with this cache's kernels (TQC-4)."""
         if self.kernels == "dense":
@@ -41,11 +47,11 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
         return self.deferred_read(keys, rotated, None)
 
     def _stored_sides(
-        self, live: Fields
+        self, fields: Fields
     ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
         """READ-7: key codes with scales and zero points (TQ-4), value codes with scales
         (TQ-7); the output is unrotated once, whichever kernels the cache names (TQC-4)."""
-        k_idx, k_scales, k_zeros, v_packed, v_scales = live
+        k_idx, k_scales, k_zeros, v_packed, v_scales = fields
         head_dim = k_scales.shape[-1] * turboquant.BLOCK_SIZE
         keys = StoredSide(TURBO_KEY, k_idx, k_scales, k_zeros, self.k_bits, 32, head_dim)
         values = StoredSide(TURBO_VALUE, v_packed, v_scales, None, self.v_bits, 32, head_dim)

@@ -79,6 +79,10 @@ class GrowingStorage(FieldStorage):
             for field, extra in zip(kept, room, strict=True)
         )
 
+    def _live_rows(self) -> int:
+        """How many leading buffer rows are live: the offset (CACHE-3)."""
+        return self.offset
+
     def _live(self) -> Fields:
         assert self._fields is not None
         return tuple(self._detached(field[:, :, : self.offset]) for field in self._fields)

@@ -53,12 +53,13 @@ class AffineFields:
         return (*keys, *values)
 
     def _encode_deferred(self, k: np.ndarray, v: np.ndarray) -> tuple[Fields, int]:
-        """The six fields with NaN groups, and the larger failure rank of k and v
-        (DEFER-1, DEFER-2)."""
+        """The six fields with NaN groups, and the running failure rank: the largest of the
+        cache's, k's and v's (DEFER-1 .. DEFER-3)."""
         self._check_head_dims(k, v)
         *keys, key_failure = self.affine.quantize_deferred(k, self.group_size, self.bits)
         *values, value_failure = self.affine.quantize_deferred(v, self.group_size, self.bits)
-        return (*keys, *values), self.xp.maximum(key_failure, value_failure)
+        failure = max(self._failure, key_failure, value_failure)
+        return (*keys, *values), failure
 
     def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of the six fields, in the input dtype (QKV-1, AFF-6)."""

@@ -137,9 +137,13 @@ class RingStorage(FieldStorage):
             )
         return tuple(f[:, :, : self._index] for f in fields)
 
+    def _live_rows(self) -> int:
+        """How many leading buffer rows are live: min(offset, T) (RING-4)."""
+        return min(self.offset, self.length)
+
     def _live(self) -> Fields:
         assert self._fields is not None
-        end = min(self.offset, self.length)
+        end = self._live_rows()
         return tuple(self._detached(f[:, :, :end]) for f in self._fields)
 
     def is_trimmable(self) -> bool:

@@ -43,10 +43,10 @@ class FieldStorage(ReadMethods):
         """Fields of new positions; raises ValueError for what the storage cannot hold."""
 
     def _encode_deferred(self, k: np.ndarray, v: np.ndarray) -> tuple[Fields, int]:
-        """Fields of new positions with NaN groups where the input cannot be held, and the
-        failure rank (DEFER-1, DEFER-2); storage that keeps positions as given has
-        nothing to defer."""
-        return self._encode(k, v), 0
+        """Fields of new positions with NaN groups where the input cannot be held (DEFER-1),
+        and the running failure rank: the larger of the cache's and this encode's (DEFER-2,
+        DEFER-3). Storage that keeps positions as given has nothing to defer."""
+        return self._encode(k, v), self._failure
 
     @abstractmethod
     def _decode(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
@@ -59,6 +59,10 @@ class FieldStorage(ReadMethods):
     @abstractmethod
     def _append(self, k: np.ndarray, v: np.ndarray) -> None:
         """Store the new positions (checked first, CACHE-2); no fetch."""
+
+    @abstractmethod
+    def _live_rows(self) -> int:
+        """How many leading buffer rows `_live` returns."""
 
     @abstractmethod
     def _live(self) -> Fields:
@@ -86,8 +90,8 @@ class FieldStorage(ReadMethods):
         return self._record_failure(fields, failure)
 
     def _record_failure(self, fields: Fields, failure: int) -> Fields:
-        """DEFER-3: keep the largest failure rank; the fields to store."""
-        self._failure = self.xp.maximum(self._failure, failure)
+        """DEFER-3: keep the running failure rank; the fields to store."""
+        self._failure = failure
         return fields
 
     def check(self) -> None:

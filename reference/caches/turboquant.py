@@ -89,8 +89,10 @@ class TurboQuantKVCache(GrowingStorage):
         return t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales
 
     def _encode_deferred(self, k: np.ndarray, v: np.ndarray) -> tuple[Fields, int]:
+        """DEFER-1 .. DEFER-3: the five fields with NaN groups, and the running rank."""
         t, failure = self.turboquant.encode_deferred(k, v, self.k_bits, self.v_bits)
-        return (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales), failure
+        fields = (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales)
+        return fields, max(self._failure, failure)
 
     def _tensor_and_head_dim(self, fields: Fields) -> tuple[turboquant.TurboQuantTensor, int]:
         t = self.turboquant.TurboQuantTensor(*fields)
