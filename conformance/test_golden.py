@@ -9,9 +9,11 @@ import json
 import numpy as np
 import pytest
 
+from kvspec.conformance.cache_scenarios import play
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.conformance.vectors import (
     BUILDERS,
+    CODEC_FILES,
     VECTORS_DIR,
     array_fields,
     field_array,
@@ -20,6 +22,7 @@ from kvspec.conformance.vectors import (
     vector_path,
 )
 from kvspec.reference import turboquant as reference_turboquant
+from kvspec.reference.dtypes import FLOAT_DTYPES
 
 if not VECTORS_DIR.exists():
     pytest.skip("docs/vectors is not beside this checkout", allow_module_level=True)
@@ -48,7 +51,7 @@ def test_file_follows_the_schema(name: str) -> None:
     assert len(ids) == len(set(ids)) == vectors["numberOfTests"]
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", CODEC_FILES)
 def test_every_array_has_its_schema_layout(name: str) -> None:
     """Each hex field holds exactly the bytes of the dtype and shape schema.json derives
     from the test's shape and its group's parameters; the shape agrees with the group."""
@@ -127,3 +130,24 @@ def test_backend_reproduces_turboquant_vectors(backend) -> None:
         for field, read in (("keysRead", keys), ("valuesRead", values), ("valuesRotated", rotated)):
             expected = field_array(schema, "turboquant", group, test, field)
             assert_same_bits(backend.to_numpy(read), expected, f"{where} {field}")
+
+
+def test_cache_scenario_arrays_hold_their_bytes() -> None:
+    for _, test in _tests("caches"):
+        for step in test["steps"]:
+            for array in step["after"]["arrays"]:
+                size = np.dtype(FLOAT_DTYPES.get(array["dtype"], array["dtype"])).itemsize
+                expected = 2 * size * int(np.prod(array["shape"]))
+                assert len(array["hex"]) == expected, f"tcId {test['tcId']} {array['name']}"
+
+
+def test_backend_reproduces_cache_scenarios(backend) -> None:
+    caches = backend.module("caches")
+    for group, test in _tests("caches"):
+        steps = test["steps"]
+        observed = play(caches, backend.from_numpy, backend.to_numpy, group, steps)
+        for index, (step, actual) in enumerate(zip(steps, observed, strict=True)):
+            expected = step["after"]
+            where = f"tcId {test['tcId']} ({group['cache']}) step {index} ({step['op']})"
+            for key in expected:
+                assert actual[key] == expected[key], f"{where}: {key} differs"

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvspec.conformance.vector_mutants import FAULTS, Port, run_port
-from kvspec.conformance.vectors import BUILDERS, VECTORS_DIR, load_schema, vector_path
+from kvspec.conformance.vectors import CODEC_FILES, VECTORS_DIR, load_schema, vector_path
 
 if not VECTORS_DIR.exists():
     pytest.skip("docs/vectors is not beside this checkout", allow_module_level=True)
@@ -17,7 +17,7 @@ if not VECTORS_DIR.exists():
 
 @pytest.fixture(scope="module")
 def vector_files() -> list[dict]:
-    return [json.loads(vector_path(name).read_text()) for name in sorted(BUILDERS)]
+    return [json.loads(vector_path(name).read_text()) for name in CODEC_FILES]
 
 
 def _first_failure(port: Port, vector_files: list[dict]) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvspec.conformance.cache_scenarios import build_caches
 from kvspec.conformance.strategies import edge_group
 from kvspec.conformance.vector_inputs import WRONG_SUM_ORDERS, all_centroid_values, rms_order_values
 from kvspec.reference import affine, turboquant
@@ -358,7 +359,18 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
     }
 
 
-BUILDERS = {"affine": build_affine, "turboquant": build_turboquant}
+def build_cache_scenarios(seed: int = 2026) -> dict[str, Any]:
+    """The cache scenario file (chapter 5), generated from the reference."""
+    return build_caches(seed, SPEC_VERSION, SCHEMA)
+
+
+BUILDERS = {
+    "affine": build_affine,
+    "turboquant": build_turboquant,
+    "caches": build_cache_scenarios,
+}
+#: The vector files of the codecs (chapters 3 and 4); "caches" holds chapter 5's scenarios.
+CODEC_FILES = ("affine", "turboquant")
 _OPERATORS = {ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv, ast.Add: operator.add}
 
 

@@ -34,6 +34,7 @@ from kvspec.accelerated import caches as accelerated_caches
 from kvspec.accelerated import turboquant as accelerated_turboquant
 from kvspec.accelerated.dtypes import from_numpy, to_numpy
 from kvspec.conformance.bounds import affine_read_bound, read_bound
+from kvspec.conformance.cache_scenarios import TURBOQUANT_FIELDS, slot_names
 from kvspec.conformance.compare import bit_view, mismatches
 from kvspec.reference import affine as reference_affine
 from kvspec.reference import caches as reference_caches
@@ -152,9 +153,6 @@ def affine_table(
     return table
 
 
-TURBOQUANT_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
-
-
 def _relative_mse(read: np.ndarray, exact: np.ndarray) -> float:
     exact64 = exact.astype(np.float64)
     return float(np.sum((read.astype(np.float64) - exact64) ** 2) / np.sum(exact64**2))
@@ -233,17 +231,6 @@ def turboquant_table(
     return table
 
 
-AFFINE_FIELDS = ("k_words", "k_scales", "k_biases", "v_words", "v_scales", "v_biases")
-
-#: State slot names by storage kind (CACHE-8, RING-6, TQC-5).
-SLOT_NAMES = {
-    "kv": ("keys", "values"),
-    "kv:rotating": ("keys", "values"),
-    "kv:affine": AFFINE_FIELDS,
-    "kv:rotating-affine": AFFINE_FIELDS,
-    "kv:turboquant": TURBOQUANT_FIELDS,
-}
-
 DEFAULT_SCHEMES = (
     "bf16",
     "affine:4:64",
@@ -256,12 +243,6 @@ DEFAULT_SCHEMES = (
 #: 40 above falls on a decode; the 64-position window wraps in the last decodes.
 SESSION = (("window", 37), *(("decode", 1),) * 6, ("trim", 3), *(("decode", 1),) * 28)
 SLIDING_WINDOW = 64
-
-
-def slot_names(signature: str) -> tuple[str, ...]:
-    """Names of a state's arrays, from its signature (parameters dropped)."""
-    storage = signature.removeprefix("kv:bf16-first:")
-    return SLOT_NAMES[":".join(part for part in storage.split(":") if not part.isdigit())]
 
 
 def state_divergence(expected: reference_caches.Cache, actual: accelerated_caches.Cache) -> str:
