@@ -151,7 +151,9 @@ def _append(rng: np.random.Generator, dtype: np.dtype, length: int, head_dim: in
     }
 
 
-def _steps(rng: np.random.Generator, dtype: np.dtype, script: list) -> list[dict]:
+def script_steps(rng: np.random.Generator, dtype: np.dtype, script: list) -> list[dict]:
+    """Steps of a script of (op, *args) tuples: ("append", L), ("head_dim_change",),
+    ("trim", n), ("bad_trim", n), ("restore",), ("convert", arguments)."""
     steps = []
     for entry in script:
         op, *args = entry
@@ -274,7 +276,7 @@ def build_caches(seed: int, spec_version: str, schema: str) -> dict[str, Any]:
     for flag, kind, arguments, dtype_name, script in SCENARIOS:
         tc_id += 1
         group = {"cache": kind, "arguments": arguments, "dtype": dtype_name}
-        steps = _steps(rng, FLOAT_DTYPES[dtype_name], script)
+        steps = script_steps(rng, FLOAT_DTYPES[dtype_name], script)
         outcomes = play(reference_caches, _numpy, _numpy, group, steps)
         previous = None
         for step, outcome in zip(steps, outcomes, strict=True):

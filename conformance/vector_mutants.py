@@ -60,7 +60,8 @@ def _float32_from_bits(patterns: tuple[int, ...] | int) -> np.ndarray:
 
 
 def _halving_tree(y: np.ndarray) -> np.ndarray:
-    partial = y * y
+    with np.errstate(over="ignore"):  # an infinite rms is rejected by its caller
+        partial = y * y
     for w in (16, 8, 4, 2, 1):
         partial = partial[..., :w] + partial[..., w : 2 * w]
     return partial[..., 0]
