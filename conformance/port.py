@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from kvspec.conformance.cache_scenarios import SCENARIOS, expected_outcome, play, script_steps
-from kvspec.conformance.compare import bit_view
+from kvspec.conformance.compare import bit_view, first_differing
 from kvspec.conformance.port_protocol import (
     AFFINE_OUTPUTS,
     OPERATIONS,
@@ -108,13 +108,13 @@ def array_mismatch(field: str, actual: np.ndarray, expected: np.ndarray) -> str 
             f"field {field}: expected {expected.dtype} {list(expected.shape)}, "
             f"actual {actual.dtype} {list(actual.shape)}"
         )
-    differ = np.argwhere(bit_view(actual) != bit_view(expected))
-    if differ.size == 0:
+    found = first_differing(actual, expected)
+    if found is None:
         return None
-    index = tuple(int(i) for i in differ[0])
+    index, count = found
     return (
         f"field {field} index {list(index)}: expected {_element(expected, index)}, "
-        f"actual {_element(actual, index)} ({len(differ)} of {expected.size} elements differ)"
+        f"actual {_element(actual, index)} ({count} of {expected.size} elements differ)"
     )
 
 
