@@ -1,6 +1,6 @@
 """Check a port in any language against the golden vectors, then against the reference on
 generated cases, through one command that speaks the JSON lines protocol of
-conformance/port_protocol.py (docs/porting.md, section 3).
+conformance/port_protocol.py (docs/porting.md, section 2).
 
     python -m kvspec.conformance.port --command "./myport-kvspec"
     python -m kvspec.conformance.port --command "..." --operations affine.quantize --examples 500

@@ -1,5 +1,5 @@
 """The JSON lines protocol between `python -m kvspec.conformance.port` and a port's command
-(docs/porting.md, section 3).
+(docs/porting.md, section 2).
 
 The runner writes one request per line to the command's stdin and reads one response
 per line from its stdout, in order:

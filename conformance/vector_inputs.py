@@ -59,8 +59,10 @@ WRONG_SUM_ORDERS: dict[str, SumOrder] = {
 }
 
 
-def _tree(y: np.ndarray) -> np.ndarray:
-    partial = y * y
+def halving_tree(y: np.ndarray) -> np.ndarray:
+    """TQ-7's sum of a 32-group's squares: the order every wrong order is measured by."""
+    with np.errstate(over="ignore"):  # an infinite rms is rejected where it is stored
+        partial = y * y
     for w in turboquant.TREE_WIDTHS:
         partial = partial[..., :w] + partial[..., w : 2 * w]
     return partial[..., 0]
@@ -87,12 +89,12 @@ def _rms_order_group(order: SumOrder, bits: int, rng: np.random.Generator) -> np
         boundary = float(rng.choice(usable))
         for _ in range(4):  # moving k[i] moves the rms: settle k[i] = boundary * rms
             y = k.astype(np.float32) * GRID
-            rms = np.sqrt(_tree(y) / np.float32(32))
+            rms = np.sqrt(halving_tree(y) / np.float32(32))
             k[i] = round(boundary * float(rms) / float(GRID))
         candidates = np.repeat(k[None], shifts.size, axis=0)
         candidates[:, i] += shifts
         y = candidates.astype(np.float32) * GRID
-        differs = np.any(_stored(y, _tree(y), bits) != _stored(y, order(y), bits), axis=1)
+        differs = np.any(_stored(y, halving_tree(y), bits) != _stored(y, order(y), bits), axis=1)
         if differs.any():
             return candidates[int(np.argmax(differs))]
 

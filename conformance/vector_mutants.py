@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvspec.conformance.compare import first_difference
-from kvspec.conformance.vector_inputs import WRONG_SUM_ORDERS
+from kvspec.conformance.vector_inputs import WRONG_SUM_ORDERS, halving_tree
 from kvspec.conformance.vectors import field_array
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS, POSITIVE_CENTROID_BITS, SIGN_HEX
 
@@ -57,14 +57,6 @@ def _half_away(x: np.ndarray) -> np.ndarray:
 
 def _float32_from_bits(patterns: tuple[int, ...] | int) -> np.ndarray:
     return np.array(patterns, np.uint32).view(F32)
-
-
-def _halving_tree(y: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # an infinite rms is rejected by its caller
-        partial = y * y
-    for w in (16, 8, 4, 2, 1):
-        partial = partial[..., :w] + partial[..., w : 2 * w]
-    return partial[..., 0]
 
 
 class Port:
@@ -200,7 +192,7 @@ class Port:
 
     def _encode_values(self, y: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         order = self.fault.removeprefix("rms_") if self.fault else None
-        total = WRONG_SUM_ORDERS[order](y) if order in WRONG_SUM_ORDERS else _halving_tree(y)
+        total = WRONG_SUM_ORDERS[order](y) if order in WRONG_SUM_ORDERS else halving_tree(y)
         with np.errstate(all="ignore"):
             rms = np.sqrt(total / F32(32))
             scales = rms.astype(np.float16)
