@@ -18,20 +18,27 @@ def mismatches(actual: np.ndarray, expected: np.ndarray) -> int:
     return int(np.count_nonzero(bit_view(actual) != bit_view(expected)))
 
 
+def first_differing(actual: np.ndarray, expected: np.ndarray) -> tuple[tuple[int, ...], int] | None:
+    """None when two arrays of one dtype and shape hold the same bits, else the index of
+    the first differing element and how many differ."""
+    differ = np.argwhere(bit_view(actual) != bit_view(expected))
+    if differ.size == 0:
+        return None
+    return tuple(int(i) for i in differ[0]), len(differ)
+
+
 def first_difference(actual: np.ndarray, expected: np.ndarray) -> str | None:
     """None when bit-equal, else where and how they first differ."""
     if actual.dtype != expected.dtype:
         return f"dtype {actual.dtype} != {expected.dtype}"
     if actual.shape != expected.shape:
         return f"shape {actual.shape} != {expected.shape}"
-    differ = np.argwhere(bit_view(actual) != bit_view(expected))
-    if differ.size == 0:
+    found = first_differing(actual, expected)
+    if found is None:
         return None
-    index = tuple(int(i) for i in differ[0])
-    return (
-        f"{len(differ)} of {actual.size} differ; first at {index}: "
-        f"{actual[index]!r} != {expected[index]!r}"
-    )
+    index, count = found
+    values = f"{actual[index]!r} != {expected[index]!r}"
+    return f"{count} of {actual.size} differ; first at {index}: {values}"
 
 
 def assert_same_bits(actual: np.ndarray, expected: np.ndarray, field: str) -> None:

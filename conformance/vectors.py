@@ -10,18 +10,22 @@ test reproduces every stored field.
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvspec.conformance.cache_scenarios import build_caches
 from kvspec.conformance.strategies import edge_group
+from kvspec.conformance.vector_inputs import WRONG_SUM_ORDERS, all_centroid_values, rms_order_values
 from kvspec.reference import affine, turboquant
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
 SCHEMA = "kvspec_vectors_v1"
-SPEC_VERSION = "0.1"
+SPEC_VERSION = "0.2"
 VECTORS_DIR = Path(__file__).resolve().parents[1] / "docs" / "vectors"
 
 AFFINE_NOTES = {
@@ -40,7 +44,12 @@ AFFINE_NOTES = {
     "NonFinite": "NaN or inf in the input (AFF-1): must be rejected.",
     "RangeOverflow": "max - min overflows float32 (AFF-2): must be rejected.",
     "EdgeOverflow": "A constant group near 1e35: edge / scale overflows (AFF-3): rejected.",
+    "MultiGroup": "Several rows of several groups, each group of another kind (AFF-5): "
+    "pins the order of groups, scales and biases and the row strides. A port that mixes "
+    "up rows and groups, or packs across rows, fails here.",
 }
+#: Group kinds cycled through the groups of a MultiGroup test, so neighbours differ.
+MULTI_GROUP_KINDS = ("normal", "non_positive", "ties", "constant", "wide", "tiny")
 EDGE_FLAGS = {
     "normal": "Normal",
     "wide": "Wide",
@@ -107,6 +116,16 @@ def _invalid_inputs(dtype: np.dtype, group_size: int) -> list[tuple[str, np.ndar
     return [(flag, w.astype(dtype)) for flag, w in cases]
 
 
+def _mixed_groups(
+    lead: tuple[int, ...], n_groups: int, group_size: int, dtype: np.dtype, rng
+) -> np.ndarray:
+    """float32 [*lead, n_groups * group_size], the kinds of MULTI_GROUP_KINDS in turn."""
+    count = int(np.prod(lead)) * n_groups
+    kinds = [MULTI_GROUP_KINDS[i % len(MULTI_GROUP_KINDS)] for i in range(count)]
+    groups = [edge_group(kind, group_size, dtype, rng) for kind in kinds]
+    return np.concatenate(groups).reshape(*lead, n_groups * group_size)
+
+
 def build_affine(seed: int = 2026) -> dict[str, Any]:
     """The affine vector file (AFF-1 .. AFF-7), generated from the reference."""
     rng = np.random.default_rng(seed)
@@ -120,6 +139,9 @@ def build_affine(seed: int = 2026) -> dict[str, Any]:
                     tc_id += 1
                     w = edge_group(kind, group_size, dtype, rng).astype(dtype)[None]
                     tests.append(_affine_valid(tc_id, w, EDGE_FLAGS[kind], group_size, bits))
+                tc_id += 1
+                w = _mixed_groups((2, 3), 2, group_size, dtype, rng).astype(dtype)
+                tests.append(_affine_valid(tc_id, w, "MultiGroup", group_size, bits))
                 if group_size == 32 and bits == 4:
                     for flag, w in _invalid_inputs(dtype, group_size):
                         tc_id += 1
@@ -133,8 +155,9 @@ def build_affine(seed: int = 2026) -> dict[str, Any]:
         "specVersion": SPEC_VERSION,
         "header": [
             "MLX affine group quantization, docs/spec.md chapter 3.",
-            "Arrays are hex of raw little-endian bytes: w, scales, biases, read in the "
-            "group's dtype; wq as uint32 words of shape [rows, D * bits / 32].",
+            "Arrays are hex of raw little-endian bytes, each field's dtype and shape as "
+            "schema.json says: w, scales, biases, read in the group's dtype; wq as uint32 "
+            "words of shape [..., D * bits / 32], `shape` being w's [..., D].",
             "A valid test must store wq, scales and biases bit for bit; read is the "
             "AFF-6 read on MLX's CPU (other reads must stay within AFF-8).",
             "An invalid test must be rejected before anything is stored.",
@@ -158,7 +181,16 @@ TURBOQUANT_NOTES = {
     "ZeroPointPast2048": "Key groups far from zero (TQ-11): the float16 zero point is "
     "rounded, so the read is off by whole steps; the stored bits are still exact.",
     "NonFinite": "NaN or inf in keys or values (TQ-3): must be rejected.",
-    "UnsupportedHeadDim": "head_dim 96 (TQ-1): must be rejected.",
+    "UnsupportedHeadDim": "head_dim 96 (TQ-1): must be rejected. Its group says headDim 96.",
+    "MultiRow": "Several batch rows, heads and positions whose groups are of different "
+    "kinds (TQ-10): pins the order of vectors, groups and their scales.",
+    "RmsOrder": "Values crafted so that summing a group's squares in another order than "
+    "TQ-7's halving tree changes a stored bit; row j defeats the j-th of: "
+    + ", ".join(WRONG_SUM_ORDERS)
+    + " (sequential left to right; a float64 sum; NumPy's float32 sum; an FMA in the "
+    "first level).",
+    "AllCentroids": "Values whose codes use every centroid of the value codebook (TQ-2): a "
+    "wrong table entry fails here.",
     "ZeroPointOverflow": "A key zero point beyond float16 (TQ-3): must be rejected.",
 }
 TURBOQUANT_EDGE_FLAGS = {
@@ -171,6 +203,8 @@ TURBOQUANT_EDGE_FLAGS = {
     "ties": "Ties",
 }
 TURBOQUANT_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
+#: [B, H, L] of a MultiRow test per head_dim: several of each, within the size budget.
+MULTI_ROW_SHAPES = {64: (2, 2, 2), 128: (1, 2, 2), 256: (1, 2, 1), 512: (1, 2, 1)}
 
 
 def _vector_of(kind: str, head_dim: int, dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
@@ -195,6 +229,15 @@ def _turboquant_inputs(
     rows = [_vector_of(kind, head_dim, dtype, rng) for _ in range(4)]
     kv = np.stack(rows).reshape(2, 1, 1, 2, head_dim)
     return kv[0].astype(dtype), kv[1].astype(dtype)
+
+
+def _crafted_inputs(
+    flag: str, v_bits: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """float32 keys and values [1, 1, L, 64] of an RmsOrder or AllCentroids test."""
+    values = rms_order_values(v_bits, rng) if flag == "RmsOrder" else all_centroid_values(v_bits)
+    keys = rng.standard_normal(values.shape).astype(np.float32)
+    return keys[None, None], values[None, None]
 
 
 def _turboquant_valid(tc_id: int, flag: str, k: np.ndarray, v: np.ndarray, bits: tuple) -> dict:
@@ -246,6 +289,20 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
                     tc_id += 1
                     k, v = _turboquant_inputs(flag, head_dim, dtype, rng)
                     tests.append(_turboquant_valid(tc_id, flag, k, v, (k_bits, v_bits)))
+                tc_id += 1
+                k, v = _mixed_groups(
+                    (2, *MULTI_ROW_SHAPES[head_dim]), head_dim // 32, 32, dtype, rng
+                )
+                tests.append(
+                    _turboquant_valid(
+                        tc_id, "MultiRow", k.astype(dtype), v.astype(dtype), (k_bits, v_bits)
+                    )
+                )
+                if dtype_name == "float32" and head_dim == 64 and k_bits == v_bits:
+                    for flag in ("RmsOrder", "AllCentroids"):
+                        tc_id += 1
+                        k, v = _crafted_inputs(flag, v_bits, rng)
+                        tests.append(_turboquant_valid(tc_id, flag, k, v, (k_bits, v_bits)))
                 groups.append(
                     {
                         "dtype": dtype_name,
@@ -265,7 +322,6 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
         cases = [
             ("NonFinite", nan_keys, normal[1]),
             ("NonFinite", normal[0], inf_values),
-            ("UnsupportedHeadDim", odd[0], odd[1]),
         ]
         if dtype_name == "float32":  # the other dtypes cannot hold such keys
             far = (1e6 + rng.uniform(0, 1, (1, 1, 2, 64))).astype(np.float32)
@@ -275,6 +331,13 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
             invalid.append(_turboquant_invalid(tc_id, flag, k.astype(dtype), v.astype(dtype)))
         groups.append(
             {"dtype": dtype_name, "headDim": 64, "kBits": 4, "vBits": 4, "tests": invalid}
+        )
+        tc_id += 1
+        unsupported = _turboquant_invalid(
+            tc_id, "UnsupportedHeadDim", odd[0].astype(dtype), odd[1].astype(dtype)
+        )
+        groups.append(
+            {"dtype": dtype_name, "headDim": 96, "kBits": 4, "vBits": 4, "tests": [unsupported]}
         )
     return {
         "schema": SCHEMA,
@@ -296,7 +359,75 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
     }
 
 
-BUILDERS = {"affine": build_affine, "turboquant": build_turboquant}
+def build_cache_scenarios(seed: int = 2026) -> dict[str, Any]:
+    """The cache scenario file (chapter 5), generated from the reference."""
+    return build_caches(seed, SPEC_VERSION, SCHEMA)
+
+
+BUILDERS = {
+    "affine": build_affine,
+    "turboquant": build_turboquant,
+    "caches": build_cache_scenarios,
+}
+#: The vector files of the codecs (chapters 3 and 4); "caches" holds chapter 5's scenarios.
+CODEC_FILES = ("affine", "turboquant")
+_OPERATORS = {ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv, ast.Add: operator.add}
+
+
+def _evaluate(node: ast.AST, names: dict[str, Any]) -> Any:
+    """An expression of schema.json's `kvspecArray` (integer arithmetic, `x if a == b else
+    y`); a name that is no parameter stands for itself (a dtype name)."""
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, names)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return names.get(node.id, node.id)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.left, names), _evaluate(node.right, names))
+    if isinstance(node, ast.IfExp):
+        chosen = node.body if _evaluate(node.test, names) else node.orelse
+        return _evaluate(chosen, names)
+    if isinstance(node, ast.Compare) and [type(op) for op in node.ops] == [ast.Eq]:
+        return _evaluate(node.left, names) == _evaluate(node.comparators[0], names)
+    raise ValueError(f"unsupported expression in schema.json: {ast.dump(node)}")
+
+
+def load_schema() -> dict[str, Any]:
+    return json.loads((VECTORS_DIR / "schema.json").read_text())
+
+
+def array_layout(
+    schema: dict[str, Any], algorithm: str, group: dict[str, Any], test: dict[str, Any], field: str
+) -> tuple[np.dtype, list[int]]:
+    """dtype and shape of an array field of a test, as schema.json's `kvspecArray` says."""
+    layout = schema["$defs"][f"{algorithm}Test"]["properties"][field]["kvspecArray"]
+    *lead, D = test["shape"]
+    names = {key: value for key, value in group.items() if key != "tests"} | {"D": D}
+    if algorithm == "turboquant":
+        names |= dict(zip("BHL", lead, strict=True))
+    if layout["dtype"] == "dtype":
+        dtype = FLOAT_DTYPES[group["dtype"]]
+    else:
+        dtype = np.dtype(_evaluate(ast.parse(layout["dtype"], mode="eval"), names))
+    shape: list[int] = []
+    for entry in layout["shape"]:
+        shape += lead if entry == "..." else [_evaluate(ast.parse(entry, mode="eval"), names)]
+    return dtype, shape
+
+
+def array_fields(schema: dict[str, Any], algorithm: str) -> list[str]:
+    """The fields of a test that hold arrays, in schema order."""
+    properties = schema["$defs"][f"{algorithm}Test"]["properties"]
+    return [name for name, value in properties.items() if "kvspecArray" in value]
+
+
+def field_array(
+    schema: dict[str, Any], algorithm: str, group: dict[str, Any], test: dict[str, Any], field: str
+) -> np.ndarray:
+    """An array field of a test, decoded with its schema layout."""
+    dtype, shape = array_layout(schema, algorithm, group, test, field)
+    return from_hex(test[field], dtype, shape)
 
 
 def vector_path(name: str) -> Path:

@@ -6,9 +6,13 @@ answer), the largest read error, and the bits stored per value. Then a scripted
 cache session per KV scheme and layer kind (prefill, decode, trim, decode), run
 step by step on both backends: the first stored divergence (step, array, index,
 both values) or none, the offset, bytes per token and the largest read error over
-its bound. Exits 1 when any stored field differs.
+its bound. A summary table closes the report: per table, how many configurations
+were compared and how many differ. Exit status: 0 when every stored field matches, 1
+when any differs, 2 on bad usage (an unknown option or width, an unreadable input, a
+malformed scheme).
 
     python tools/compare.py                       # the default random workload
+    python tools/compare.py --seed 7 --json       # another workload, one JSON document
     python tools/compare.py --input kv.safetensors --bits 4 8
     python tools/compare.py --schemes turbo:k4v3 affine:4:64:start=16
 """
@@ -16,6 +20,7 @@ its bound. Exits 1 when any stored field differs.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +34,7 @@ from kvspec.accelerated import caches as accelerated_caches
 from kvspec.accelerated import turboquant as accelerated_turboquant
 from kvspec.accelerated.dtypes import from_numpy, to_numpy
 from kvspec.conformance.bounds import affine_read_bound, read_bound
+from kvspec.conformance.cache_scenarios import TURBOQUANT_FIELDS, slot_names
 from kvspec.conformance.compare import bit_view, mismatches
 from kvspec.reference import affine as reference_affine
 from kvspec.reference import caches as reference_caches
@@ -44,6 +50,20 @@ class Table:
     columns: list[str]
     rows: list[list[str]] = field(default_factory=list)
     differs: bool = False
+    differing_rows: int = 0
+
+    def add(self, row: list[str], differs: bool) -> None:
+        """One configuration's row; `differs` when one of its stored fields differs."""
+        self.rows.append(row)
+        self.differing_rows += differs
+        self.differs |= differs
+
+    def as_json(self) -> dict:
+        return {
+            "title": self.title,
+            "differs": self.differs,
+            "rows": [dict(zip(self.columns, row, strict=True)) for row in self.rows],
+        }
 
     def render(self) -> str:
         if not self.rows:
@@ -123,17 +143,14 @@ def affine_table(
                     error = np.abs(read.astype(np.float64) - w.astype(np.float64))
                     bound = affine_read_bound(w, expected[1], bits, group_size)
                     stored_bits = 8 * sum(e.nbytes for e in expected) / w.size
-                    table.differs |= any(counts)
-                    table.rows.append(
+                    table.add(
                         [name, str(bits), str(group_size), dtype_name]
                         + [str(c) for c in counts]
                         + [f"{error.max():.3g}", f"{np.max(error / bound):.3f}"]
-                        + [f"{stored_bits:.3f}"]
+                        + [f"{stored_bits:.3f}"],
+                        any(counts),
                     )
     return table
-
-
-TURBOQUANT_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
 
 
 def _relative_mse(read: np.ndarray, exact: np.ndarray) -> float:
@@ -201,29 +218,18 @@ def turboquant_table(
                         mismatches(to_numpy(getattr(stored, f)), getattr(expected, f))
                         for f in TURBOQUANT_FIELDS
                     ]
-                    table.differs |= any(counts)
                     read_k, read_v = accelerated_turboquant.decode(stored, k.shape[2], head_dim)
                     stored_bits = 8 * sum(getattr(expected, f).nbytes for f in TURBOQUANT_FIELDS)
-                    table.rows.append(
+                    table.add(
                         [name, str(k_bits), str(v_bits), str(head_dim), dtype_name]
                         + [str(c) for c in counts]
                         + [f"{_relative_mse(to_numpy(read_k), k):.4g}"]
                         + [f"{_relative_mse(to_numpy(read_v), v):.4g}"]
-                        + [f"{stored_bits / (k.size + v.size):.3f}"]
+                        + [f"{stored_bits / (k.size + v.size):.3f}"],
+                        any(counts),
                     )
     return table
 
-
-AFFINE_FIELDS = ("k_words", "k_scales", "k_biases", "v_words", "v_scales", "v_biases")
-
-#: State slot names by storage kind (CACHE-8, RING-6, TQC-5).
-SLOT_NAMES = {
-    "kv": ("keys", "values"),
-    "kv:rotating": ("keys", "values"),
-    "kv:affine": AFFINE_FIELDS,
-    "kv:rotating-affine": AFFINE_FIELDS,
-    "kv:turboquant": TURBOQUANT_FIELDS,
-}
 
 DEFAULT_SCHEMES = (
     "bf16",
@@ -237,12 +243,6 @@ DEFAULT_SCHEMES = (
 #: 40 above falls on a decode; the 64-position window wraps in the last decodes.
 SESSION = (("window", 37), *(("decode", 1),) * 6, ("trim", 3), *(("decode", 1),) * 28)
 SLIDING_WINDOW = 64
-
-
-def slot_names(signature: str) -> tuple[str, ...]:
-    """Names of a state's arrays, from its signature (parameters dropped)."""
-    storage = signature.removeprefix("kv:bf16-first:")
-    return SLOT_NAMES[":".join(part for part in storage.split(":") if not part.isdigit())]
 
 
 def state_divergence(expected: reference_caches.Cache, actual: accelerated_caches.Cache) -> str:
@@ -315,33 +315,61 @@ def cache_table(schemes: Sequence[str], seed: int) -> Table:
         turbo = isinstance(reference_caches.parse_scheme(scheme_text), reference_caches.TurboScheme)
         for layer in ("full",) if turbo else ("full", "sliding"):
             row, diverged = cache_session_row(scheme_text, layer, SESSION, seed)
-            table.rows.append(row)
-            table.differs |= diverged
+            table.add(row, diverged)
     return table
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def summary_table(tables: Sequence[Table]) -> Table:
+    """One row per table: configurations compared, how many differ, the verdict."""
+    summary = Table("summary", ["table", "configurations", "differing", "verdict"])
+    for table in tables:
+        verdict = "DIFFERS" if table.differs else "same bits"
+        name = table.title.split(":")[0]
+        summary.rows.append([name, str(len(table.rows)), str(table.differing_rows), verdict])
+    return summary
+
+
+def _scheme(text: str) -> str:
+    """argparse type of --schemes: the text, once SCHEME-2 accepts it."""
+    try:
+        reference_caches.parse_scheme(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text
+
+
+def _widths(option: str, choices: Sequence[int], help_text: str) -> dict:
+    return {"type": int, "nargs": "+", "choices": choices, "default": list(choices)} | {
+        "help": help_text,
+        "metavar": option,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", type=Path, help=".npy or .safetensors file of arrays to encode")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the default workload")
     parser.add_argument(
-        "--bits", type=int, nargs="+", default=list(reference_affine.SUPPORTED_BITS)
+        "--seed", type=int, default=0, help="seed of the default workload and the cache sessions"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead")
+    parser.add_argument(
+        "--bits", **_widths("BITS", reference_affine.SUPPORTED_BITS, "affine widths (AFF-1)")
     )
     parser.add_argument(
-        "--group-sizes", type=int, nargs="+", default=list(reference_affine.SUPPORTED_GROUP_SIZES)
+        "--group-sizes",
+        **_widths("GROUP", reference_affine.SUPPORTED_GROUP_SIZES, "affine group sizes (AFF-1)"),
     )
     parser.add_argument(
-        "--k-bits", type=int, nargs="+", default=list(reference_turboquant.KEY_BITS)
+        "--k-bits", **_widths("K_BITS", reference_turboquant.KEY_BITS, "key widths (TQ-1)")
     )
     parser.add_argument(
-        "--v-bits", type=int, nargs="+", default=list(reference_turboquant.VALUE_BITS)
+        "--v-bits", **_widths("V_BITS", reference_turboquant.VALUE_BITS, "value widths (TQ-1)")
     )
     parser.add_argument(
         "--head-dims",
-        type=int,
-        nargs="+",
-        default=list(reference_turboquant.HEAD_DIMS),
-        help="head dims of the default TurboQuant workload",
+        **_widths(
+            "D", reference_turboquant.HEAD_DIMS, "head dims of the default TurboQuant workload"
+        ),
     )
     parser.add_argument(
         "--dtypes",
@@ -352,16 +380,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--schemes",
         nargs="+",
+        type=_scheme,
         default=list(DEFAULT_SCHEMES),
         help="KV schemes of the cache session (SCHEME-2 strings)",
     )
-    return parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    arrays = load_arrays(args.input) if args.input else default_workload(args.seed)
-    print(f"device: {mx.default_device()}  mlx {mx.__version__}")
+    """0 when every stored field matches, 1 when one differs, 2 on bad usage."""
+    try:
+        parser, args = parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed the usage error
+        return int(exit_.code or 0)
+    try:
+        arrays = load_arrays(args.input) if args.input else default_workload(args.seed)
+    except (OSError, ValueError) as error:
+        parser.print_usage(sys.stderr)
+        print(f"compare.py: error: cannot read --input: {error}", file=sys.stderr)
+        return 2
     if args.input:
         pairs = turboquant_pairs(arrays)
     else:
@@ -371,15 +408,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         turboquant_table(pairs, args.k_bits, args.v_bits, args.dtypes),
         cache_table(args.schemes, args.seed),
     ]
-    for table in tables:
+    differs = [table.title for table in tables if table.differs]
+    status = 1 if differs else 0
+    summary = summary_table(tables)
+    if args.json:
+        document = {
+            "device": str(mx.default_device()),
+            "mlx": mx.__version__,
+            "seed": args.seed,
+            "input": str(args.input) if args.input else None,
+            "tables": [table.as_json() for table in tables],
+            "summary": summary.as_json()["rows"],
+            "status": status,
+        }
+        print(json.dumps(document, indent=1))
+        return status
+    print(f"device: {mx.default_device()}  mlx {mx.__version__}  seed {args.seed}")
+    for table in [*tables, summary]:
         print()
         print(table.render())
-    differs = [table.title for table in tables if table.differs]
     print()
     print(
         "stored fields differ in: " + ", ".join(differs) if differs else "no stored field differs"
     )
-    return 1 if differs else 0
+    return status
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""tools/compare.py: zero mismatches on its default workload, exit 1 on a difference."""
+"""tools/compare.py: zero mismatches on its default workload, exit 1 on a difference and 2
+on bad usage, a summary table, a JSON report, a seeded workload."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import compare
@@ -85,3 +87,68 @@ def test_a_flipped_cache_bit_is_reported_with_its_step(monkeypatch, capsys) -> N
     args = ["--bits", "8", "--group-sizes", "32", "--k-bits", "8", "--v-bits", "4"]
     assert compare.main([*args, "--dtypes", "float32", "--schemes", "affine:4:64"]) == 1
     assert "stored fields differ in: caches" in capsys.readouterr().out
+
+
+SMALL = ["--bits", "4", "--group-sizes", "64", "--k-bits", "8", "--v-bits", "4"]
+SMALL += ["--head-dims", "64", "--dtypes", "bfloat16", "--schemes", "affine:4:64"]
+
+
+def _json_report(capsys, *args: str) -> tuple[int, dict]:
+    status = compare.main([*SMALL, "--json", *args])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def test_json_report_and_summary(capsys) -> None:
+    status, report = _json_report(capsys, "--seed", "3")
+    assert status == report["status"] == 0 and report["seed"] == 3
+    titles = [table["title"].split(":")[0] for table in report["tables"]]
+    assert titles == ["affine (AFF)", "turboquant (TQ)", "caches"]
+    assert report["summary"] == [
+        {"table": "affine (AFF)", "configurations": "2", "differing": "0", "verdict": "same bits"},
+        {
+            "table": "turboquant (TQ)",
+            "configurations": "1",
+            "differing": "0",
+            "verdict": "same bits",
+        },
+        {"table": "caches", "configurations": "2", "differing": "0", "verdict": "same bits"},
+    ]
+    assert report["tables"][0]["rows"][0]["words"] == "0"
+
+
+def test_seed_picks_the_workload(capsys) -> None:
+    def read_errors(seed: str) -> list[str]:
+        _, report = _json_report(capsys, "--seed", seed)
+        return [row["max read err"] for row in report["tables"][0]["rows"]]
+
+    assert read_errors("1") == read_errors("1") != read_errors("2")
+
+
+def test_summary_counts_differing_configurations(monkeypatch, capsys) -> None:
+    real = compare.accelerated_affine.quantize
+
+    def flipped(w, group_size, bits):
+        wq, scales, biases = real(w, group_size, bits)
+        return wq ^ 1, scales, biases
+
+    monkeypatch.setattr(compare.accelerated_affine, "quantize", flipped)
+    status, report = _json_report(capsys)
+    assert status == report["status"] == 1
+    assert report["summary"][0] == {
+        "table": "affine (AFF)",
+        "configurations": "2",
+        "differing": "2",
+        "verdict": "DIFFERS",
+    }
+    assert compare.main(SMALL) == 1
+    assert "DIFFERS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--bits", "7"], ["--schemes", "affine:4"], ["--input", "missing.npy"], ["--nope"]],
+)
+def test_bad_usage_exits_2(args: list[str], tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert compare.main(args) == 2
+    assert "error:" in capsys.readouterr().err

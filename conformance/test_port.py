@@ -1,0 +1,88 @@
+"""The port runner (python -m kvspec.conformance.port): a backend wrapped as a command
+passes it, every deliberately wrong port is caught, the generated phase shrinks a
+failure to a small request, and a broken command or bad usage exits 2."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import numpy as np
+import pytest
+
+from kvspec.conformance import port
+from kvspec.conformance.port_protocol import decode_array, encode_array
+from kvspec.conformance.vector_mutants import FAULTS
+from kvspec.conformance.vectors import VECTORS_DIR
+
+if not VECTORS_DIR.exists():
+    pytest.skip("docs/vectors is not beside this checkout", allow_module_level=True)
+
+SERVER = f"{shlex.quote(sys.executable)} -m kvspec.conformance.port_server"
+CODECS = ["--operations", "affine.quantize", "turboquant.encode"]
+
+
+def test_accelerated_backend_as_a_command_passes(capsys) -> None:
+    assert port.main(["--command", f"{SERVER} accelerated", "--examples", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "golden caches.json: 16 tests pass" in out
+    assert "generated cache.run: 10 cases agree" in out
+
+
+def test_faithful_spec_port_passes_the_codecs(capsys) -> None:
+    args = ["--command", f"{SERVER} mutant", "--files", "affine", "turboquant", *CODECS]
+    assert port.main([*args, "--examples", "10"]) == 0
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_every_wrong_port_is_caught(fault: str, capsys) -> None:
+    args = ["--command", f"{SERVER} mutant {fault}", "--files", "affine", "turboquant"]
+    assert port.main([*args, *CODECS, "--examples", "0"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("MISMATCH golden ")
+
+
+def test_generated_cases_report_the_smallest_failing_request(capsys) -> None:
+    args = ["--command", f"{SERVER} mutant affine_half_away", "--files"]
+    assert port.main([*args, "--operations", "affine.quantize", "--examples", "200"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("MISMATCH affine.quantize: field wq index [")
+    assert "expected" in out and "actual" in out and "smallest failing request: {" in out
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["exit 0", "echo not-json", "echo '{\"id\": 9}'"],
+    ids=["exits", "not-json", "wrong-id"],
+)
+def test_a_broken_command_exits_2(command: str, capsys) -> None:
+    assert port.main(["--command", command, "--examples", "0"]) == 2
+    assert "protocol error" in capsys.readouterr().err
+
+
+def test_bad_usage_exits_2(capsys) -> None:
+    assert port.main(["--command", "true", "--operations", "nope"]) == 2
+    assert port.main([]) == 2
+
+
+def test_arrays_round_trip_and_reject_a_wrong_byte_count() -> None:
+    a = np.arange(6, dtype=np.float16).reshape(2, 3)
+    message = encode_array(a)
+    assert message == {"dtype": "float16", "shape": [2, 3], "hex": a.tobytes().hex()}
+    assert np.array_equal(decode_array(message), a)
+    with pytest.raises(ValueError, match="cannot hold"):
+        decode_array(message | {"shape": [2, 4]})
+
+
+def test_mismatches_name_field_index_and_both_values() -> None:
+    expected = np.array([[1.0, 2.0]], np.float32)
+    actual = np.array([[1.0, 3.0]], np.float32)
+    report = port.array_mismatch("scales", actual, expected)
+    assert report == (
+        "field scales index [0, 1]: expected np.float32(2.0) (bits 0x40000000), "
+        "actual np.float32(3.0) (bits 0x40400000) (1 of 2 elements differ)"
+    )
+    assert port.response_mismatch("affine.quantize", {"unsupported": True}, None) is not None
+    assert port.response_mismatch("affine.quantize", {"outputs": {}}, None) == (
+        "affine.quantize: accepted input the spec rejects"
+    )
+    assert port.response_mismatch("affine.quantize", {"error": "no"}, None) is None
