@@ -5,7 +5,6 @@ oracle where they exist. Skipped where mlx-lm is not installed."""
 
 from __future__ import annotations
 
-import copy
 import importlib
 import warnings
 
@@ -111,6 +110,8 @@ def teacher_forced_logits(model, cache, tokens):
     """Last-position logits of a prefill of PROMPT, then one per decode of `tokens`."""
     rows = [model(mx.array(PROMPT)[None], cache=cache)[0, -1]]
     rows += [model(mx.array([[token]]), cache=cache)[0, -1] for token in tokens]
+    # Reads come back in the model's dtype, TurboQuant's float32 reads included (TQC-2).
+    assert {row.dtype for row in rows} == {mx.bfloat16}
     return mx.stack(rows).astype(mx.float32)
 
 
@@ -138,7 +139,6 @@ def test_eight_bit_logits_stay_near_bf16(model, scheme) -> None:
     tokens = [(5 * i + 1) % 256 for i in range(32)]
     reference = teacher_forced_logits(model, adapter.make_prompt_cache(model, "bf16"), tokens)
     cache = adapter.make_prompt_cache(model, scheme)
-    assert model(mx.array(PROMPT)[None], cache=copy.deepcopy(cache)).dtype == mx.bfloat16
     logits = teacher_forced_logits(model, cache, tokens)
     error = mx.abs(logits - reference).max().item()
     assert 0 < error <= EIGHT_BIT_LOGIT_BOUND
@@ -193,11 +193,11 @@ def test_kv_bits_converts_like_mlx_lm(llama) -> None:
         theirs = mlx_lm_cache.make_prompt_cache(llama)
         for cache in ours, theirs:
             llama(mx.array(PROMPT)[None], cache=cache)
-            maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=4)
+            maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=32, kv_bits=4)
         for layer, (our, their) in enumerate(zip(ours, theirs, strict=True)):
             assert isinstance(our, adapter.KvspecCache)
             assert not hasattr(our, "to_quantized")
-            assert our.cache.signature() == "kv:bf16-first:kv:affine:4:64"
+            assert our.cache.signature() == "kv:bf16-first:kv:affine:4:32"
             fields = our.cache.state().arrays
             for slot, field in enumerate((*their.keys, *their.values)):
                 assert_same_bits(
@@ -205,7 +205,9 @@ def test_kv_bits_converts_like_mlx_lm(llama) -> None:
                     to_numpy(field[:, :, : our.offset]),
                     f"layer {layer} slot {slot}",
                 )
-    tokens, _ = greedy(llama, PROMPT[:3], ours, 4, kv_bits=4, quantized_kv_start=0)
+    tokens, _ = greedy(
+        llama, PROMPT[:3], ours, 4, kv_bits=4, kv_group_size=32, quantized_kv_start=0
+    )
     assert len(tokens) == 4
 
 
@@ -249,10 +251,7 @@ def test_saved_cache_continues_identically(model, scheme, tmp_path) -> None:
     adapter.save_prompt_cache(path, cache, {"note": "kept"})
     loaded, metadata = adapter.load_prompt_cache(path, model, scheme, return_metadata=True)
     assert metadata == {"note": "kept"}
-    for saved, restored in zip(cache, loaded, strict=True):
-        assert type(restored) is type(saved)
-        assert restored.recipe == saved.recipe
-        assert restored.cache.state().signature == saved.cache.state().signature
+    assert_same_caches(loaded, cache)
     if "start=48" in scheme:
         assert any(layer.cache.signature() == "kv:bf16-first:kv" for layer in loaded)
     follow = [11, 12, 13]
@@ -261,6 +260,25 @@ def test_saved_cache_continues_identically(model, scheme, tmp_path) -> None:
     assert tokens == expected
     for step, (a, b) in enumerate(zip(logprobs, expected_logprobs, strict=True)):
         assert_same_bits(to_numpy(a), to_numpy(b), f"step {step} logprobs")
+    # Past the start now: the minimum reusable offset (B16F-4) survives too.
+    adapter.save_prompt_cache(path, loaded)
+    assert_same_caches(adapter.load_prompt_cache(path, model, scheme), loaded)
+
+
+def assert_same_caches(restored_caches, saved_caches) -> None:
+    """Same classes, recipes and CacheStates (CACHE-8), stored bits included."""
+    for layer, (saved, restored) in enumerate(zip(saved_caches, restored_caches, strict=True)):
+        assert type(restored) is type(saved)
+        assert restored.recipe == saved.recipe
+        ours, theirs = restored.cache.state(), saved.cache.state()
+        assert (ours.signature, ours.offset, ours.ring_index, ours.minimum_reusable_offset) == (
+            theirs.signature,
+            theirs.offset,
+            theirs.ring_index,
+            theirs.minimum_reusable_offset,
+        )
+        for slot, (a, b) in enumerate(zip(ours.arrays, theirs.arrays, strict=True)):
+            assert_same_bits(to_numpy(a), to_numpy(b), f"layer {layer} slot {slot}")
 
 
 def test_mlx_lm_loads_kvspec_files(llama, tmp_path) -> None:
@@ -291,3 +309,81 @@ def test_load_rejects_another_model_or_scheme(llama, tmp_path) -> None:
     mlx_lm_cache.save_prompt_cache(path, mlx_lm_cache.make_prompt_cache(llama))
     with pytest.raises(ValueError, match="mlx-lm's KVCache, not a kvspec cache"):
         adapter.load_prompt_cache(path, llama, "bf16")
+
+
+def test_decodes_use_decode_reads(llama) -> None:
+    """One-position appends take the decode read (READ-2), the read the decode kernels
+    serve; longer ones the window read (READ-3)."""
+    cache = adapter.make_prompt_cache(llama, "turbo:k8v4")
+    counts = {"append_decode": 0, "append_window": 0}
+    for layer in cache:
+        for name in counts:
+            method = getattr(layer.cache, name)
+
+            def counted(k, v, name=name, method=method):
+                counts[name] += 1
+                return method(k, v)
+
+            setattr(layer.cache, name, counted)
+    greedy(llama, PROMPT, cache, 8)
+    assert counts == {"append_decode": 2 * 9, "append_window": 2}
+
+
+def test_masks_follow_the_cache(model) -> None:
+    """make_mask answers as mlx-lm's caches do (MASK-2, MASK-3), arrays on request, and
+    refuses a window the cache's reads would not apply."""
+    ours = adapter.make_prompt_cache(model, "bf16")
+    theirs = mlx_lm_cache.make_prompt_cache(model)
+    for n in (len(PROMPT), 1, 1, 5):
+        for our, their in zip(ours, theirs, strict=True):
+            window = our.cache.sliding_window
+            for return_array in (False, True):
+                mine = our.make_mask(n, return_array=return_array, window_size=window)
+                expected = their.make_mask(n, return_array=return_array, window_size=window)
+                if isinstance(expected, mx.array):
+                    assert_same_bits(to_numpy(mine), to_numpy(expected), f"n={n}")
+                else:
+                    assert mine == expected
+            with pytest.raises(ValueError, match="asks for an attention window of 3"):
+                our.make_mask(n, window_size=3)
+        k = mx.zeros((1, 2, n, 64), mx.bfloat16)
+        for cache in ours, theirs:
+            for layer in cache:
+                layer.update_and_fetch(k, k)
+
+
+def test_protocol_answers(llama) -> None:
+    """size, empty, nbytes and trimming as mlx-lm's callers read them; bytes against bf16."""
+    bf16 = adapter.make_prompt_cache(llama, "bf16")
+    affine = adapter.make_prompt_cache(llama, "affine:4:64")
+    assert all(layer.empty() and layer.nbytes == 0 and layer.size() == 0 for layer in bf16)
+    for cache in bf16, affine:
+        greedy(llama, PROMPT, cache, 4)
+    for plain, packed in zip(bf16, affine, strict=True):
+        assert not plain.empty() and plain.size() == plain.offset == len(PROMPT) + 4
+        # 2 KV heads x (64 + 64) values x 2 bytes per position.
+        assert plain.nbytes == plain.bf16_nbytes == plain.offset * 2 * 128 * 2
+        # 4 bits per value and a bf16 scale and bias per 64 values: 4.5 / 16 of bf16.
+        assert packed.nbytes * 16 == packed.bf16_nbytes * 4.5
+    assert bf16[0].is_trimmable() and bf16[0].trim(100) == len(PROMPT) + 4
+    assert bf16[0].offset == 0
+
+
+def test_make_prompt_cache_rejects_what_it_cannot_compose(llama) -> None:
+    with pytest.raises(ValueError, match="malformed KV scheme"):
+        adapter.make_prompt_cache(llama, "affine:7:64")
+    with pytest.raises(ValueError, match=r"lists layers \[2, 5\]; the model has 2 layers"):
+        adapter.make_prompt_cache(llama, "affine-layers:0=4/64,2=4/64,5=8/64")
+
+    class Declares:
+        def __init__(self, *caches):
+            self.caches = caches
+
+        def make_cache(self):
+            return list(self.caches)
+
+    with pytest.raises(ValueError, match="layer 1: the model's ArraysCache has no kvspec"):
+        adapter.make_prompt_cache(Declares(mlx_lm_cache.KVCache(), mlx_lm_cache.ArraysCache(2)))
+    with pytest.raises(ValueError, match="keeps 4 positions"):
+        adapter.make_prompt_cache(Declares(mlx_lm_cache.RotatingKVCache(64, keep=4)))
+    assert adapter.layer_windows(Declares(mlx_lm_cache.RotatingKVCache(64))) == [64]
