@@ -330,8 +330,8 @@ def test_decodes_use_decode_reads(llama) -> None:
 
 
 def test_masks_follow_the_cache(model) -> None:
-    """make_mask answers as mlx-lm's caches do (MASK-2, MASK-3), arrays on request, and
-    refuses a window the cache's reads would not apply."""
+    """make_mask and size answer as mlx-lm's caches do (MASK-2, MASK-3), masks as arrays on
+    request, and make_mask refuses a window the cache's reads would not apply."""
     ours = adapter.make_prompt_cache(model, "bf16")
     theirs = mlx_lm_cache.make_prompt_cache(model)
     for n in (len(PROMPT), 1, 1, 5):
@@ -344,6 +344,7 @@ def test_masks_follow_the_cache(model) -> None:
                     assert_same_bits(to_numpy(mine), to_numpy(expected), f"n={n}")
                 else:
                     assert mine == expected
+            assert our.size() == their.size()
             with pytest.raises(ValueError, match="asks for an attention window of 3"):
                 our.make_mask(n, window_size=3)
         k = mx.zeros((1, 2, n, 64), mx.bfloat16)

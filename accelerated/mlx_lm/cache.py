@@ -86,8 +86,8 @@ class KvspecCache:
             )
         mask = self.cache.make_mask(N, window_size)
         if return_array and isinstance(mask, str):
-            held = self.offset if own is None else min(own - 1, self.offset)
-            return masks.create_causal_mask(N, held, window_size)
+            # "causal" on a ring means nothing was evicted yet: offset is what it holds.
+            return masks.create_causal_mask(N, self.offset, window_size)
         return mask
 
     def is_trimmable(self) -> bool:
