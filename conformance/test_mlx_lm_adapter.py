@@ -388,3 +388,56 @@ def test_make_prompt_cache_rejects_what_it_cannot_compose(llama) -> None:
     with pytest.raises(ValueError, match="keeps 4 positions"):
         adapter.make_prompt_cache(Declares(mlx_lm_cache.RotatingKVCache(64, keep=4)))
     assert adapter.layer_windows(Declares(mlx_lm_cache.RotatingKVCache(64))) == [64]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, llama):
+    """LLAMA saved as mlx-lm saves models, with a byte-level tokenizer built locally (one
+    token per byte, no merges: the model's 256-token vocabulary)."""
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("model")
+    save_model(path, llama)
+    save_config(dict(LLAMA), path / "config.json")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+    return path
+
+
+def test_command_generates_from_a_model_directory(model_dir) -> None:
+    """python -m kvspec.accelerated.mlx_lm streams text, then speed and KV memory."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "kvspec.accelerated.mlx_lm", "--model", str(model_dir)]
+    command += ["--kv-scheme", "turbo:k8v4", "--prompt", "hello world", "--max-tokens", "12"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-2].startswith("prompt: 11 tokens, ")
+    assert "; generation: 12 tokens, " in lines[-2] and lines[-2].endswith(" tokens/s")
+    # 23 positions x 2 layers x 2 KV heads x 64 keys and 64 values: 23552 bytes in bf16;
+    # TurboQuant k8v4 stores (8 + 1) + (4 + 0.5) bits per key and value pair of 32 bits.
+    assert lines[-1] == "KV memory (turbo:k8v4): 9936 bytes, 0.422 of bf16's 23552"
+
+
+def test_command_rejects_bad_arguments(model_dir, tmp_path, capsys) -> None:
+    from kvspec.accelerated.mlx_lm.__main__ import main
+
+    cases = [
+        (["--kv-scheme", "turbo:k9v4"], "key bits must be one of"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--model", str(model_dir), "--prompt", "hi", *extra])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path), "--prompt", "hi"])
+    assert "is not a model directory (no config.json)" in capsys.readouterr().err
