@@ -211,12 +211,12 @@ def test_kv_bits_converts_like_mlx_lm(llama) -> None:
     assert len(tokens) == 4
 
 
-def test_kv_bits_quantizes_sliding_layers(model) -> None:
+@pytest.mark.parametrize("config", ["sliding-llama", "gemma3"])
+def test_kv_bits_quantizes_sliding_layers(config) -> None:
     """Where mlx-lm raises NotImplementedError for a RotatingKVCache, kv_bits gives a
     kvspec affine ring (QRING-2)."""
+    model = build_model(CONFIGS[config])
     windows = adapter.layer_windows(model)
-    if not any(windows):
-        pytest.skip("no sliding-window layer")
     with pytest.raises(NotImplementedError):
         greedy(
             model, PROMPT, mlx_lm_cache.make_prompt_cache(model), 2, kv_bits=8, quantized_kv_start=0
@@ -441,3 +441,32 @@ def test_command_rejects_bad_arguments(model_dir, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path), "--prompt", "hi"])
     assert "is not a model directory (no config.json)" in capsys.readouterr().err
+
+
+def test_lru_prompt_cache_reuses_kvspec_caches(llama) -> None:
+    """mlx-lm's LRUPromptCache (its server's prompt reuse: nbytes, deep copies, trimming)
+    holds kvspec caches; a fetched, trimmed copy continues as mlx-lm's own caches do."""
+    results = []
+    for make in mlx_lm_cache.make_prompt_cache, adapter.make_prompt_cache:
+        cache = make(llama)
+        generated, _ = greedy(llama, PROMPT, cache, 6)
+        store = mlx_lm_cache.LRUPromptCache()
+        store.insert_cache("llama", PROMPT + generated, cache)
+        assert store.nbytes > 0
+        reused, rest = store.fetch_nearest_cache("llama", [*PROMPT[:30], 1, 2, 3])
+        assert rest == [1, 2, 3] and reused[0].offset == 30 and cache[0].offset == 46
+        results.append(greedy(llama, rest, reused, 8)[0])
+    assert results[0] == results[1]
+
+
+def test_generate_with_a_tokenizer(model_dir, llama) -> None:
+    """mlx_lm.generate with the bf16 scheme returns mlx-lm's own text."""
+    from mlx_lm import generate
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    texts = [
+        generate(llama, tokenizer, "hello world", max_tokens=16, prompt_cache=cache)
+        for cache in (mlx_lm_cache.make_prompt_cache(llama), adapter.make_prompt_cache(llama))
+    ]
+    assert texts[0] == texts[1] and texts[0]

@@ -72,6 +72,8 @@ def route_attention() -> None:
     """Point mlx-lm's attention function, in its base module and in every model module
     already imported, at `scaled_dot_product_attention`. Model modules imported later take
     it from the base module. Idempotent."""
+    if base.scaled_dot_product_attention is scaled_dot_product_attention:
+        return
     for name, module in list(sys.modules.items()):
         if (
             name.startswith("mlx_lm.models.")
