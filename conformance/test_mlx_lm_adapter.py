@@ -470,3 +470,22 @@ def test_generate_with_a_tokenizer(model_dir, llama) -> None:
         for cache in (mlx_lm_cache.make_prompt_cache(llama), adapter.make_prompt_cache(llama))
     ]
     assert texts[0] == texts[1] and texts[0]
+
+
+@pytest.mark.parametrize("separate_meta_state", [False, True])
+def test_from_state_as_each_mlx_lm_version_calls_it(separate_meta_state, monkeypatch) -> None:
+    """from_state restores what state (and meta_state) gave, in mlx-lm 0.32's form (scalars
+    inside `state`) and 0.31's (array-only `state`, then string `meta_state`)."""
+    from kvspec.accelerated.mlx_lm import cache as adapter_cache
+
+    monkeypatch.setattr(adapter_cache, "SEPARATE_META_STATE", separate_meta_state)
+    model = build_model(SLIDING_LLAMA)
+    cache = adapter.make_prompt_cache(model, "affine:4:32:start=48")
+    greedy(model, PROMPT, cache, 12)
+    arrays_only = all(isinstance(part, mx.array) for layer in cache for part in layer.state)
+    assert arrays_only == separate_meta_state
+    if separate_meta_state:
+        restored = [type(c).from_state(c.state, c.meta_state) for c in cache]
+    else:
+        restored = [type(c).from_state(list(c.state)) for c in cache]
+    assert_same_caches(restored, cache)
