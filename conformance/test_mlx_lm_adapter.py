@@ -521,3 +521,36 @@ def test_speculative_decoding_equals_mlx_lm(llama) -> None:
     assert {from_draft for _, _, from_draft in ours} == {False, True}
     for step, ((_, a, _), (_, b, _)) in enumerate(zip(ours, theirs, strict=True)):
         assert_same_bits(to_numpy(a), to_numpy(b), f"step {step} logprobs")
+
+
+def test_layer_kinds_from_args() -> None:
+    """Without make_cache, `layer_types` and `sliding_window` in the args name the kinds."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    declared = SimpleNamespace(args=args, layers=[None, None])
+    assert adapter.layer_windows(declared) == [8, None]
+    assert adapter.layer_windows(SimpleNamespace(layers=[None] * 3)) == [None] * 3
+    cache = adapter.make_prompt_cache(declared, "affine:4:64")
+    assert [layer.cache.sliding_window for layer in cache] == [8, None]
+
+
+def test_routed_attention_refuses_what_reads_cannot_do() -> None:
+    """A decode read sees every key its cache holds (READ-2): a mask there means a window
+    the cache does not apply. Attention sinks have no kvspec read."""
+    from kvspec.accelerated.mlx_lm.attention import scaled_dot_product_attention
+
+    (layer,) = adapter.make_prompt_cache(type("OneLayer", (), {"layers": [None]})(), "bf16")
+    k = mx.zeros((1, 2, 1, 64), mx.bfloat16)
+    keys, values = layer.update_and_fetch(k, k)
+    queries = mx.zeros((1, 4, 1, 64), mx.bfloat16)
+    with pytest.raises(ValueError, match="the model passed a mask"):
+        scaled_dot_product_attention(queries, keys, values, layer, 0.125, mx.array([True]))
+    with pytest.raises(ValueError, match="attention sinks"):
+        scaled_dot_product_attention(queries, keys, values, layer, 0.125, None, mx.zeros((4,)))
+    assert scaled_dot_product_attention(queries, keys, values, layer, 0.125, None).shape == (
+        1,
+        4,
+        1,
+        64,
+    )
