@@ -18,6 +18,7 @@ from mlx_lm.models import base as mlx_lm_base  # noqa: E402
 from mlx_lm.models import cache as mlx_lm_cache  # noqa: E402
 
 from kvspec.accelerated import mlx_lm as adapter  # noqa: E402
+from kvspec.accelerated.caches import AffineScheme  # noqa: E402
 from kvspec.accelerated.dtypes import to_numpy  # noqa: E402
 from kvspec.conformance.compare import assert_same_bits  # noqa: E402
 
@@ -375,6 +376,8 @@ def test_protocol_answers(llama) -> None:
 def test_make_prompt_cache_rejects_what_it_cannot_compose(llama) -> None:
     with pytest.raises(ValueError, match="malformed KV scheme"):
         adapter.make_prompt_cache(llama, "affine:7:64")
+    with pytest.raises(TypeError, match="short form"):
+        adapter.make_prompt_cache(llama, AffineScheme(4, 64))
     with pytest.raises(ValueError, match=r"lists layers \[2, 5\]; the model has 2 layers"):
         adapter.make_prompt_cache(llama, "affine-layers:0=4/64,2=4/64,5=8/64")
 

@@ -42,6 +42,8 @@ def _window_of(layer: int, cache: Any) -> int | None:
 def make_prompt_cache(model: Any, scheme: str = "bf16") -> list[KvspecCache]:
     """One kvspec cache per layer of `model`, full or sliding-window as the model declares
     (`layer_windows`), composed by `scheme` in its short form (SCHEME-2, SCHEME-3)."""
+    if not isinstance(scheme, str):
+        raise TypeError(f"scheme is a short form (SCHEME-2) such as 'affine:4:64', got {scheme!r}")
     parsed = caches.parse_scheme(scheme)
     windows = layer_windows(model)
     if isinstance(parsed, caches.AffineLayersScheme):
