@@ -398,7 +398,8 @@ def test_make_prompt_cache_rejects_what_it_cannot_compose(llama) -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, llama):
     """LLAMA saved as mlx-lm saves models, with a byte-level tokenizer built locally (one
-    token per byte, no merges: the model's 256-token vocabulary)."""
+    token per byte, no merges: the model's 256-token vocabulary) whose chat template puts
+    each message in angle brackets."""
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -410,7 +411,9 @@ def model_dir(tmp_path_factory, llama):
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+    chat_template = "{% for message in messages %}<{{ message.content }}>{% endfor %}"
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=chat_template)
+    wrapped.save_pretrained(path)
     return path
 
 
@@ -424,11 +427,23 @@ def test_command_generates_from_a_model_directory(model_dir) -> None:
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[-2].startswith("prompt: 11 tokens, ")
+    # "<hello world>": the chat template's 13 bytes.
+    assert lines[-2].startswith("prompt: 13 tokens, ")
     assert "; generation: 12 tokens, " in lines[-2] and lines[-2].endswith(" tokens/s")
-    # 23 positions x 2 layers x 2 KV heads x 64 keys and 64 values: 23552 bytes in bf16;
+    # 25 positions x 2 layers x 2 KV heads x 64 keys and 64 values: 25600 bytes in bf16;
     # TurboQuant k8v4 stores (8 + 1) + (4 + 0.5) bits per key and value pair of 32 bits.
-    assert lines[-1] == "KV memory (turbo:k8v4): 9936 bytes, 0.422 of bf16's 23552"
+    assert lines[-1] == "KV memory (turbo:k8v4): 10800 bytes, 0.422 of bf16's 25600"
+
+
+def test_command_takes_the_prompt_raw_on_request(model_dir, capsys) -> None:
+    from kvspec.accelerated.mlx_lm.__main__ import main
+
+    argv = ["--model", str(model_dir), "--prompt", "hello world", "--max-tokens", "3"]
+    assert main([*argv, "--ignore-chat-template"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("prompt: 11 tokens, ")
+    # 14 positions x 2 layers x 2 KV heads x 128 values x 2 bytes.
+    assert lines[-1] == "KV memory (bf16): 14336 bytes, 1.000 of bf16's 14336"
 
 
 def test_command_rejects_bad_arguments(model_dir, tmp_path, capsys) -> None:

@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvspec.accelerated.mlx_lm import make_prompt_cache
 
     model, tokenizer = load(str(args.model))
-    prompt: str | list[int] = args.prompt
+    prompt = args.prompt
     if tokenizer.has_chat_template and not args.ignore_chat_template:
         messages = [{"role": "user", "content": args.prompt}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     cache = make_prompt_cache(model, args.kv_scheme)
     response = None
     for response in stream_generate(
