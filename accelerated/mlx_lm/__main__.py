@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Imported after parsing: a bad argument is answered before transformers loads.
     from mlx_lm import load, stream_generate
 
     from kvspec.accelerated.mlx_lm import make_prompt_cache
