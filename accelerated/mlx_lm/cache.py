@@ -1,0 +1,219 @@
+"""A kvspec cache (spec chapter 5) that speaks mlx-lm's cache protocol, one per layer.
+
+Appends go to the kvspec cache a KV storage scheme composes for the layer (SCHEME-3), and
+attention to its read (`attention.PendingAttention`). `state` and `from_state` follow the
+installed mlx-lm: 0.31 saves array-only states beside string `meta_state`s, 0.32 saves
+strings inside `state`. Either way the arrays are the cache's CacheState arrays (CACHE-8)
+and one JSON string records how to compose the cache again and its CacheState scalars,
+so a bf16-first cache saved before its switch keeps its scheme and start (B16F-6).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_lm_cache
+
+from kvspec.accelerated import caches
+from kvspec.accelerated.caches import masks
+from kvspec.accelerated.mlx_lm.attention import PendingAttention, route_attention
+
+#: mlx-lm 0.31 keeps a cache's scalars in `meta_state` strings; 0.32 keeps them in `state`.
+SEPARATE_META_STATE = hasattr(mlx_lm_cache._BaseCache, "meta_state")
+
+#: Names the layout of the JSON string a saved cache carries.
+STATE_FORMAT = "kvspec.mlx_lm/1"
+
+
+@dataclass(frozen=True)
+class CacheRecipe:
+    """What composes a layer's cache (SCHEME-3): a scheme in its short form (SCHEME-2), the
+    layer index, and the window of a sliding-window layer (None for full attention)."""
+
+    scheme: str
+    layer: int
+    max_size: int | None = None
+
+    def compose(self) -> caches.Cache:
+        """An empty cache of this recipe. Its checks are deferred (DEFER-3): a generation step
+        never waits for the device; `state` (saving, prefill) raises what was recorded."""
+        scheme = caches.parse_scheme(self.scheme)
+        if self.max_size is None:
+            return caches.composed_full_attention_cache(scheme, self.layer, checks="deferred")
+        return caches.composed_sliding_attention_cache(
+            scheme, self.layer, self.max_size, checks="deferred"
+        )
+
+
+class KvspecCache:
+    """One layer's kvspec cache, as mlx-lm's generate loop, prompt-cache files and trimming
+    use a cache. `update_and_fetch` returns the append's read for keys and values, so the
+    model's attention runs in kvspec (see `attention`)."""
+
+    def __init__(self, recipe: CacheRecipe, cache: caches.Cache | None = None) -> None:
+        route_attention()
+        self.recipe = recipe
+        self.cache = recipe.compose() if cache is None else cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array
+    ) -> tuple[PendingAttention, PendingAttention]:
+        """Append keys and values [B, H, L, D]: a decode read for one position (READ-2), a
+        window read for more (READ-3)."""
+        L = keys.shape[2]
+        if L == 1:
+            read = self.cache.append_decode(keys, values)
+        else:
+            read = self.cache.append_window(keys, values)
+        pending = PendingAttention(read, L)
+        return pending, pending
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        """The mask of the next append of N positions (MASK-2, MASK-3), as mlx-lm's caches
+        give it. The reads apply their cache's own window, so a model asking another one
+        is refused rather than attended without it."""
+        own = self.cache.sliding_window
+        if window_size is not None and window_size != own:
+            raise ValueError(
+                f"layer {self.recipe.layer}: the model asks for an attention window of "
+                f"{window_size}, its kvspec cache reads with "
+                f"{'no window' if own is None else f'window {own}'}"
+            )
+        mask = self.cache.make_mask(N, window_size)
+        if return_array and isinstance(mask, str):
+            # "causal" on a ring means nothing was evicted yet: offset is what it holds.
+            return masks.create_causal_mask(N, self.offset, window_size)
+        return mask
+
+    def is_trimmable(self) -> bool:
+        return self.cache.is_trimmable()
+
+    def trim(self, n: int) -> int:
+        return self.cache.trim(n)
+
+    def size(self) -> int:
+        """Positions the cache holds for attention: offset, at most the window on a ring."""
+        window = self.cache.sliding_window
+        return self.offset if window is None else min(self.offset, window)
+
+    def empty(self) -> bool:
+        return self.cache.layout is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored fields a saved state holds (CACHE-8)."""
+        return sum(array.nbytes for array in self.cache.state().arrays)
+
+    @property
+    def bf16_nbytes(self) -> int:
+        """Bytes the positions this cache holds would take as bfloat16 keys and values."""
+        layout = self.cache.layout
+        if layout is None:
+            return 0
+        return self.size() * layout.batch * layout.kv_heads * (layout.k_dim + layout.v_dim) * 2
+
+    def _meta(self, state: caches.CacheState) -> str:
+        return json.dumps(
+            {
+                "format": STATE_FORMAT,
+                "scheme": self.recipe.scheme,
+                "layer": self.recipe.layer,
+                "max_size": self.recipe.max_size,
+                "signature": state.signature,
+                "offset": state.offset,
+                "ring_index": state.ring_index,
+                "minimum_reusable_offset": state.minimum_reusable_offset,
+            }
+        )
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The CacheState arrays, after the JSON string of `meta_state` on mlx-lm 0.32."""
+        state = self.cache.state()
+        if SEPARATE_META_STATE:
+            return state.arrays
+        return (self._meta(state), *state.arrays)
+
+    @state.setter
+    def state(self, value: Sequence[Any]) -> None:
+        if SEPARATE_META_STATE:
+            # mlx-lm 0.31 sets meta_state next, which restores.
+            self._pending_arrays = tuple(value)
+            return
+        self._restore(value[0], tuple(value[1:]))
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        return (self._meta(self.cache.state()),)
+
+    @meta_state.setter
+    def meta_state(self, value: Sequence[str]) -> None:
+        arrays = getattr(self, "_pending_arrays", None)
+        if arrays is None:
+            arrays = self.cache.state().arrays
+        self._pending_arrays = None
+        self._restore(value[0], arrays)
+
+    def _restore(self, meta: str, arrays: tuple[mx.array, ...]) -> None:
+        fields = json.loads(meta)
+        if fields.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a kvspec cache state: format {fields.get('format')!r}")
+        recipe = CacheRecipe(fields["scheme"], fields["layer"], fields["max_size"])
+        cache = recipe.compose()
+        cache.restore_state(
+            caches.CacheState(
+                fields["signature"],
+                arrays,
+                fields["offset"],
+                fields["ring_index"],
+                fields["minimum_reusable_offset"],
+            )
+        )
+        route_attention()
+        self.recipe, self.cache = recipe, cache
+
+    @classmethod
+    def from_state(cls, state: Sequence[Any], meta_state: Sequence[str] | None = None) -> Any:
+        """A cache adopting a saved `state` (and, on mlx-lm 0.31, `meta_state`)."""
+        cache = cls.__new__(cls)
+        cache.state = state
+        if meta_state is not None:
+            cache.meta_state = meta_state
+        return cache
+
+
+class KvspecPlainCache(KvspecCache):
+    """A layer whose scheme keeps keys and values as given (KVCache, RotatingKVCache):
+    mlx-lm's `kv_bits` converts it, as it converts mlx-lm's own caches."""
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> KvspecCache:
+        """This layer's positions in the affine format: the cache `affine:BITS:GROUP`
+        composes, restored from this one's state, so it converts at once (B16F-6) and, for
+        a ring, keeps its window (QRING-2). This cache is left as it was."""
+        recipe = CacheRecipe(f"affine:{bits}:{group_size}", self.recipe.layer, self.recipe.max_size)
+        converted = recipe.compose()
+        converted.restore_state(self.cache.state())
+        return KvspecCache(recipe, converted)
+
+
+def kvspec_cache(recipe: CacheRecipe) -> KvspecCache:
+    """The cache of `recipe`, convertible by `kv_bits` when it stores keys and values as
+    given."""
+    cache = recipe.compose()
+    if isinstance(cache, caches.KVCache | caches.RotatingKVCache):
+        return KvspecPlainCache(recipe, cache)
+    return KvspecCache(recipe, cache)
+
+
+# mlx-lm's load_prompt_cache finds a saved cache's class by name in its cache module.
+for _cls in (KvspecCache, KvspecPlainCache):
+    if not hasattr(mlx_lm_cache, _cls.__name__):
+        setattr(mlx_lm_cache, _cls.__name__, _cls)
