@@ -45,3 +45,10 @@ def assert_same_bits(actual: np.ndarray, expected: np.ndarray, field: str) -> No
     """Fail with the first difference when two arrays do not hold the same bits."""
     difference = first_difference(actual, expected)
     assert difference is None, f"{field}: {difference}"
+
+
+def rank_of(failure: np.ndarray) -> int:
+    """A failure rank (DEFER-2) as an int, whether a backend returns a scalar or one
+    element."""
+    (rank,) = np.asarray(failure).reshape(-1)
+    return int(rank)

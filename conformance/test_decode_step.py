@@ -14,7 +14,7 @@ import pytest
 
 from kvspec.conformance.backend import Backend
 from kvspec.conformance.bounds import attention_bound, deferred_attention_bound
-from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.compare import assert_same_bits, rank_of
 from kvspec.reference import affine, caches, turboquant
 from kvspec.reference.caches.turboquant import DeferredRead
 from kvspec.reference.deferred import failure_message
@@ -25,12 +25,6 @@ TURBO_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 1)).astype(FLOAT_DTYPES[dtype])
-
-
-def _rank(failure: np.ndarray) -> int:
-    """A failure rank as an int, whether a backend returns a scalar or one element."""
-    (rank,) = np.asarray(failure).reshape(-1)
-    return int(rank)
 
 
 def _poisoned_kv(seed: int, shape: tuple[int, int, int, int], dtype: str):
@@ -69,7 +63,7 @@ def test_turboquant_deferred_encode_stores_the_reference_bits(
             assert_same_bits(
                 backend.to_numpy(getattr(got, name)), getattr(expected, name), f"DEFER-1 {name}"
             )
-        assert _rank(backend.to_numpy(failure)) == expected_failure
+        assert rank_of(backend.to_numpy(failure)) == expected_failure
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
@@ -112,7 +106,7 @@ def test_affine_deferred_quantize_stores_the_reference_bits(
     got = backend.module("affine").quantize_deferred(backend.from_numpy(w), group_size, bits)
     for slot, (a, e) in enumerate(zip(got[:3], expected[:3], strict=True)):
         assert_same_bits(backend.to_numpy(a), e, f"DEFER-1 slot {slot}")
-    assert _rank(backend.to_numpy(got[3])) == expected[3] == 2
+    assert rank_of(backend.to_numpy(got[3])) == expected[3] == 2
     assert failure_message(affine.DEFERRED_CHECKS, expected[3]).startswith("input holds NaN")
 
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from kvspec.conformance.cache_scenarios import expected_outcome, play
-from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.compare import assert_same_bits, rank_of
 from kvspec.conformance.vectors import (
     BUILDERS,
     CODEC_FILES,
+    DEFERRED_TURBOQUANT_FIELDS,
     VECTORS_DIR,
     array_fields,
     field_array,
@@ -28,6 +29,9 @@ if not VECTORS_DIR.exists():
     pytest.skip("docs/vectors is not beside this checkout", allow_module_level=True)
 
 MAX_TOTAL_BYTES = 5 * 2**20
+
+#: An invalid affine test's deferred fields, in quantize_deferred's order (DEFER-1).
+DEFERRED_AFFINE_FIELDS = ("deferredWq", "deferredScales", "deferredBiases")
 
 
 def _load(name: str) -> dict:
@@ -101,6 +105,11 @@ def test_backend_reproduces_affine_vectors(backend) -> None:
         if test["result"] == "invalid":
             with pytest.raises(ValueError):
                 affine.quantize(backend.from_numpy(w), group_size, bits)
+            *stored, failure = affine.quantize_deferred(backend.from_numpy(w), group_size, bits)
+            for field, actual in zip(DEFERRED_AFFINE_FIELDS, stored, strict=True):
+                expected = field_array(schema, "affine", group, test, field)
+                assert_same_bits(backend.to_numpy(actual), expected, f"{where} {field}")
+            assert rank_of(backend.to_numpy(failure)) == test["failureRank"], where
             continue
         stored = affine.quantize(backend.from_numpy(w), group_size, bits)
         for field, actual in zip(("wq", "scales", "biases"), stored, strict=True):
@@ -119,6 +128,13 @@ def test_backend_reproduces_turboquant_vectors(backend) -> None:
         if test["result"] == "invalid":
             with pytest.raises(ValueError):
                 turboquant.encode(k, v, k_bits, v_bits)
+            if "failureRank" in test:
+                stored, failure = turboquant.encode_deferred(k, v, k_bits, v_bits)
+                for field, name in DEFERRED_TURBOQUANT_FIELDS.items():
+                    expected = field_array(schema, "turboquant", group, test, name)
+                    actual = backend.to_numpy(getattr(stored, field))
+                    assert_same_bits(actual, expected, f"{where} {name}")
+                assert rank_of(backend.to_numpy(failure)) == test["failureRank"], where
             continue
         stored = turboquant.encode(k, v, k_bits, v_bits)
         for field in ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales"):

@@ -92,13 +92,20 @@ def _affine_valid(tc_id: int, w: np.ndarray, flag: str, group_size: int, bits: i
     }
 
 
-def _affine_invalid(tc_id: int, w: np.ndarray, flag: str) -> dict:
+def _affine_invalid(tc_id: int, w: np.ndarray, flag: str, group_size: int, bits: int) -> dict:
+    """A rejected input, with what a deferred encode stores and ranks instead (DEFER-1,
+    DEFER-2)."""
+    wq, scales, biases, failure = affine.quantize_deferred(w, group_size, bits)
     return {
         "tcId": tc_id,
         "comment": AFFINE_NOTES[flag].split(":")[0],
         "flags": [flag],
         "shape": list(w.shape),
         "w": to_hex(w),
+        "deferredWq": to_hex(wq),
+        "deferredScales": to_hex(scales),
+        "deferredBiases": to_hex(biases),
+        "failureRank": int(failure),
         "result": "invalid",
     }
 
@@ -145,7 +152,7 @@ def build_affine(seed: int = 2026) -> dict[str, Any]:
                 if group_size == 32 and bits == 4:
                     for flag, w in _invalid_inputs(dtype, group_size):
                         tc_id += 1
-                        tests.append(_affine_invalid(tc_id, w, flag))
+                        tests.append(_affine_invalid(tc_id, w, flag, group_size, bits))
                 groups.append(
                     {"dtype": dtype_name, "bits": bits, "groupSize": group_size, "tests": tests}
                 )
@@ -160,7 +167,9 @@ def build_affine(seed: int = 2026) -> dict[str, Any]:
             "words of shape [..., D * bits / 32], `shape` being w's [..., D].",
             "A valid test must store wq, scales and biases bit for bit; read is the "
             "AFF-6 read on MLX's CPU (other reads must stay within AFF-8).",
-            "An invalid test must be rejected before anything is stored.",
+            "An invalid test must be rejected before anything is stored; a deferred encode "
+            "(DEFER-1, DEFER-2) must store its deferred fields bit for bit and return its "
+            "failureRank.",
         ],
         "notes": AFFINE_NOTES,
         "numberOfTests": tc_id,
@@ -240,6 +249,16 @@ def _crafted_inputs(
     return keys[None, None], values[None, None]
 
 
+#: Each TurboQuant field's name when an invalid test carries its deferred encoding.
+DEFERRED_TURBOQUANT_FIELDS = {
+    "k_idx": "deferredKIdx",
+    "k_scales": "deferredKScales",
+    "k_zeros": "deferredKZeros",
+    "v_packed": "deferredVPacked",
+    "v_scales": "deferredVScales",
+}
+
+
 def _turboquant_valid(tc_id: int, flag: str, k: np.ndarray, v: np.ndarray, bits: tuple) -> dict:
     t = turboquant.encode(k, v, *bits)
     keys, values = turboquant.decode(t, k.shape[2], k.shape[3])
@@ -259,16 +278,25 @@ def _turboquant_valid(tc_id: int, flag: str, k: np.ndarray, v: np.ndarray, bits:
     }
 
 
-def _turboquant_invalid(tc_id: int, flag: str, k: np.ndarray, v: np.ndarray) -> dict:
-    return {
+def _turboquant_invalid(
+    tc_id: int, flag: str, k: np.ndarray, v: np.ndarray, bits: tuple[int, int] | None
+) -> dict:
+    """A rejected input; with `bits`, what a deferred encode of those widths stores and
+    ranks instead (DEFER-1, DEFER-2)."""
+    test = {
         "tcId": tc_id,
         "comment": TURBOQUANT_NOTES[flag].split(":")[0],
         "flags": [flag],
         "shape": list(k.shape),
         "k": to_hex(k),
         "v": to_hex(v),
-        "result": "invalid",
     }
+    if bits is not None:
+        t, failure = turboquant.encode_deferred(k, v, *bits)
+        for field in TURBOQUANT_FIELDS:
+            test[DEFERRED_TURBOQUANT_FIELDS[field]] = to_hex(getattr(t, field))
+        test["failureRank"] = failure
+    return test | {"result": "invalid"}
 
 
 def build_turboquant(seed: int = 2026) -> dict[str, Any]:
@@ -328,13 +356,15 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
             cases.append(("ZeroPointOverflow", far, normal[1]))
         for flag, k, v in cases:
             tc_id += 1
-            invalid.append(_turboquant_invalid(tc_id, flag, k.astype(dtype), v.astype(dtype)))
+            invalid.append(
+                _turboquant_invalid(tc_id, flag, k.astype(dtype), v.astype(dtype), (4, 4))
+            )
         groups.append(
             {"dtype": dtype_name, "headDim": 64, "kBits": 4, "vBits": 4, "tests": invalid}
         )
         tc_id += 1
         unsupported = _turboquant_invalid(
-            tc_id, "UnsupportedHeadDim", odd[0].astype(dtype), odd[1].astype(dtype)
+            tc_id, "UnsupportedHeadDim", odd[0].astype(dtype), odd[1].astype(dtype), None
         )
         groups.append(
             {"dtype": dtype_name, "headDim": 96, "kBits": 4, "vBits": 4, "tests": [unsupported]}
@@ -351,7 +381,9 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
             "[B, H, L, D / 32]; v_packed: uint8 [B, H, L, D * vBits / 8]; keysRead, "
             "valuesRead, valuesRotated: float32 [B, H, L, D] (TQ-10).",
             "A valid test must store the five fields and read the three arrays bit for bit.",
-            "An invalid test must be rejected before anything is stored.",
+            "An invalid test must be rejected before anything is stored; one whose input "
+            "the format judges (not its shape) also carries what a deferred encode stores "
+            "(the deferred* fields, bit for bit) and its failureRank (DEFER-1, DEFER-2).",
         ],
         "notes": TURBOQUANT_NOTES,
         "numberOfTests": tc_id,

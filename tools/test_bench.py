@@ -1,0 +1,30 @@
+"""tools/bench.py: the quick mode runs every path on the CPU and reports every row (shapes
+only: times mean nothing here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import bench
+
+
+def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "rows.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    steps = {row["what"] for row in rows if row["table"] == "step"}
+    assert set(bench.KINDS) <= steps
+    assert {"bare bf16 SDPA (no append)", "mlx-lm quantized attention 4-bit g64"} <= steps
+    reads = [row for row in rows if row["table"] == "attend"]
+    assert {row["what"] for row in reads} == set(bench.KINDS)
+    for row in rows:
+        assert row["us"] > 0 and row["ratio"] > 0
+    for row in reads:
+        assert row["bytes_per_token"] > 0 and row["floor_fraction"] > 0
+    assert {row["what"] for row in rows if row["table"] == "encode"} == {
+        "turboquant encode_deferred k8v4",
+        "affine quantize_deferred 4-bit g64 (k, v)",
+    }
+    assert "plain read bandwidth" in capsys.readouterr().out
