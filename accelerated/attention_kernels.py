@@ -13,8 +13,10 @@ Pass 1 (split-K, as FlashDecoding): the positions are cut into splits; a block o
 WARPS warps takes one split of one KV head and serves every query head that reads that
 head (GQA), so each stored byte is read once. Lane l of a warp owns elements
 [l E, l E + E) of a row (E = D / 32); a warp takes every WARPS-th position of the split,
-reduces its dot products with shuffles and keeps an online softmax; the warps of a block
-merge in shared memory and write one partial (max, sum, weighted values) per split.
+STAGE at a time, loading the next stage's raw words before it decodes this one; the
+stage's dot products reduce together (5 + G shuffles each) and update one online softmax;
+the warps of a block merge in shared memory and write one partial (max, sum, weighted
+values) per split.
 Pass 2 merges the splits of each query head and, for TurboQuant values, unrotates the
 output row once (TQ-8): the Hadamard butterflies, 1/sqrt(D), then the signs.
 """
