@@ -82,7 +82,8 @@ def write_safetensors(path: str, tensors: dict[str, mx.array], metadata: dict[st
 
 
 def read_safetensors(path: str, header: SafetensorsHeader) -> dict[str, mx.array]:
-    """The tensors of a file whose header `read_header` checked, through `mx.load`."""
+    """The tensors of a file whose header `read_header` checked (PERSIST-2), through
+    `mx.load`."""
     tensors = mx.load(path, format="safetensors")
     assert isinstance(tensors, dict)
     return tensors

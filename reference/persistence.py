@@ -94,7 +94,8 @@ class SafetensorsHeader:
 
 
 class LoadedCaches(NamedTuple):
-    """What `load_caches` returns: the caches in file order and the user metadata."""
+    """What `load_caches` returns (PERSIST-1): the caches in file order and the user
+    metadata."""
 
     caches: list[Any]
     metadata: dict[str, str]
@@ -520,7 +521,8 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
 
 
 def read_safetensors(path: str, header: SafetensorsHeader) -> dict[str, np.ndarray]:
-    """The tensors of a file whose header `read_header` checked, as NumPy arrays."""
+    """The tensors of a file whose header `read_header` checked (PERSIST-2), as NumPy
+    arrays."""
     tensors = {}
     with open(path, "rb") as f:
         for name, entry in header.tensors.items():
