@@ -24,6 +24,7 @@ from kvspec.reference.persistence import (
     read_caches,
     read_document,
     read_header,
+    read_mlx_lm_prompt_cache,
     seal,
     write_atomically,
     write_caches,
@@ -39,10 +40,12 @@ __all__ = [
     "header_digest",
     "kind_of",
     "load_caches",
+    "load_mlx_lm_prompt_cache",
     "parameters",
     "read_caches",
     "read_document",
     "read_header",
+    "read_mlx_lm_prompt_cache",
     "read_safetensors",
     "save_caches",
     "seal",
@@ -109,3 +112,8 @@ def load_caches(path: str, expect: Expected | None = None) -> LoadedCaches:
     """PERSIST-1: the MLX caches and user metadata saved at `path` by either backend,
     checked (PERSIST-7) and held against `expect` (PERSIST-8)."""
     return read_caches(_FILES, path, expect)
+
+
+def load_mlx_lm_prompt_cache(path: str) -> LoadedCaches:
+    """PERSIST-9: the MLX caches and user metadata of an mlx-lm prompt-cache file."""
+    return read_mlx_lm_prompt_cache(_FILES, path)

@@ -498,6 +498,94 @@ def read_caches(files: ArrayFiles, path: str, expect: Expected | None) -> Loaded
     return LoadedCaches(caches, dict(document["metadata"]))
 
 
+#: What each mlx-lm class's flattened state holds after keys and values (PERSIST-9).
+MLX_LM_SCALARS = {
+    "KVCache": ("offset",),
+    "RotatingKVCache": ("offset", "keep", "max_size", "ring_index"),
+    "QuantizedKVCache": ("offset", "group_size", "bits"),
+}
+
+
+def _mlx_lm_scalar(path: str, name: str, tensors: dict[str, Any], files: ArrayFiles) -> int:
+    array = tensors.get(name)
+    if array is None or files.dtype_code(array) not in ("I32", "I64") or array.size != 1:
+        raise ValueError(f"{path}: mlx-lm tensor {name} is not an integer scalar")
+    return int.from_bytes(files.stored_bytes(array), "little", signed=True)
+
+
+def read_mlx_lm_prompt_cache(files: ArrayFiles, path: str) -> LoadedCaches:
+    """PERSIST-9 over a backend's `files`: the caches of an mlx-lm prompt-cache file as
+    kvspec caches, the header checked first (PERSIST-2)."""
+    header = read_header(path)
+    metadata = header.metadata
+    if DOCUMENT_KEY in metadata:
+        raise ValueError(f"{path} is a kvspec caches file: read it with load_caches")
+    classes = []
+    while f"1.{len(classes)}" in metadata:
+        classes.append(metadata[f"1.{len(classes)}"])
+    if metadata.get("2.0") != "":
+        raise ValueError(f"{path} is not an mlx-lm 0.32 prompt-cache file")
+    empty = {
+        metadata[key[: -len(".1")] + ".0"]
+        for key, kind in metadata.items()
+        if key.startswith("2.") and key.endswith(".1") and kind == "none"
+    }
+    user = {key[2:]: value for key, value in metadata.items() if key.startswith("0.")}
+    tensors = files.read(path, header)
+    caches = []
+    for layer, name in enumerate(classes):
+        if name not in MLX_LM_SCALARS:
+            raise ValueError(
+                f"{path}: layer {layer} is mlx-lm's {name}; kvspec reads "
+                f"{', '.join(MLX_LM_SCALARS)}"
+            )
+        scalars = {
+            field: _mlx_lm_scalar(path, f"{layer}.{2 + i}", tensors, files)
+            for i, field in enumerate(MLX_LM_SCALARS[name])
+        }
+        try:
+            caches.append(
+                _from_mlx_lm(
+                    name, layer, scalars, tensors, layer_empty=f"{layer}.0" in empty, files=files
+                )
+            )
+        except (ValueError, IndexError, TypeError, KeyError) as error:
+            raise ValueError(f"{path}: layer {layer} (mlx-lm {name}): {error}") from None
+    return LoadedCaches(caches, user)
+
+
+def _from_mlx_lm(
+    name: str,
+    layer: int,
+    scalars: dict[str, int],
+    tensors: dict[str, Any],
+    layer_empty: bool,
+    files: ArrayFiles,
+) -> Cache:
+    """One mlx-lm cache's state as the kvspec cache PERSIST-9 names."""
+    offset = scalars["offset"]
+    if name == "RotatingKVCache":
+        cache = files.family.RotatingKVCache(scalars["max_size"], scalars["keep"])
+        arrays = () if layer_empty else (tensors[f"{layer}.0"], tensors[f"{layer}.1"])
+        ring_index = scalars["ring_index"]
+    elif name == "KVCache":
+        cache = files.family.KVCache()
+        slots = (f"{layer}.0", f"{layer}.1")
+        arrays = () if layer_empty else tuple(tensors[s][:, :, :offset] for s in slots)
+        ring_index = None
+    else:
+        cache = files.family.QuantizedKVCache(scalars["group_size"], scalars["bits"])
+        slots = [f"{layer}.{side}.{field}" for side in (0, 1) for field in (0, 1, 2)]
+        arrays = () if layer_empty else tuple(tensors[s][:, :, :offset] for s in slots)
+        ring_index = None
+    cache.restore_state(CacheState(cache.signature(), arrays, offset, ring_index))
+    try:
+        cache.check_invariants()
+    except AssertionError as error:
+        raise ValueError(str(error)) from None
+    return cache
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """PERSIST-2: the 8-byte little-endian header length, the JSON header (tensors in name
     order, their bytes back to back), then the data."""
@@ -567,3 +655,8 @@ def load_caches(path: str, expect: Expected | None = None) -> LoadedCaches:
     """PERSIST-1: the reference caches and user metadata saved at `path` by either backend,
     checked (PERSIST-7) and held against `expect` (PERSIST-8)."""
     return read_caches(_numpy_files(), path, expect)
+
+
+def load_mlx_lm_prompt_cache(path: str) -> LoadedCaches:
+    """PERSIST-9: the reference caches and user metadata of an mlx-lm prompt-cache file."""
+    return read_mlx_lm_prompt_cache(_numpy_files(), path)
