@@ -92,28 +92,29 @@ def read_safetensors(path: str, header: SafetensorsHeader) -> dict[str, mx.array
     return tensors
 
 
-_FILES = ArrayFiles(
-    family,
-    dtypes.FLOAT_DTYPES,
-    write_safetensors,
-    read_safetensors,
-    _stored_bytes,
-    _dtype_code,
-)
+def _mlx_files() -> ArrayFiles:
+    return ArrayFiles(
+        family,
+        dtypes.FLOAT_DTYPES,
+        write_safetensors,
+        read_safetensors,
+        _stored_bytes,
+        _dtype_code,
+    )
 
 
 def save_caches(path: str, caches: Sequence[Cache], metadata: dict[str, str] | None = None) -> None:
     """PERSIST-1: write `caches` (MLX caches, one per layer, any kinds) and the user
     `metadata` to `path` atomically (PERSIST-6)."""
-    write_caches(_FILES, path, caches, metadata)
+    write_caches(_mlx_files(), path, caches, metadata)
 
 
 def load_caches(path: str, expect: Expected | None = None) -> LoadedCaches:
     """PERSIST-1: the MLX caches and user metadata saved at `path` by either backend,
     checked (PERSIST-7) and held against `expect` (PERSIST-8)."""
-    return read_caches(_FILES, path, expect)
+    return read_caches(_mlx_files(), path, expect)
 
 
 def load_mlx_lm_prompt_cache(path: str) -> LoadedCaches:
     """PERSIST-9: the MLX caches and user metadata of an mlx-lm prompt-cache file."""
-    return read_mlx_lm_prompt_cache(_FILES, path)
+    return read_mlx_lm_prompt_cache(_mlx_files(), path)

@@ -163,8 +163,10 @@ def read_header(path: str) -> SafetensorsHeader:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise _corrupt(path, "__metadata__ is not a map of strings to strings")
-    tensors = {name: _tensor_entry(path, name, entry) for name, entry in header.items()}
     data_length = size - 8 - length
+    tensors = {
+        name: _tensor_entry(path, name, entry, data_length) for name, entry in header.items()
+    }
     position = 0
     for name, entry in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin != position:
@@ -175,7 +177,7 @@ def read_header(path: str) -> SafetensorsHeader:
     return SafetensorsHeader(tensors, metadata, prefix + text, 8 + length)
 
 
-def _tensor_entry(path: str, name: str, entry: object) -> TensorEntry:
+def _tensor_entry(path: str, name: str, entry: object, data_length: int) -> TensorEntry:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise _corrupt(path, f"tensor {name!r} is not {{dtype, shape, data_offsets}}")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
@@ -189,6 +191,8 @@ def _tensor_entry(path: str, name: str, entry: object) -> TensorEntry:
     # Python integers: a hostile shape cannot overflow this product.
     if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
         raise _corrupt(path, f"tensor {name!r}: {end - begin} bytes for shape {shape} {dtype}")
+    if end > data_length:
+        raise _corrupt(path, f"tensor {name!r} ends at {end}, past the {data_length} data bytes")
     return TensorEntry(dtype, tuple(shape), begin, end)
 
 
