@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_lm_cache
 
@@ -64,7 +64,6 @@ def _persistence(backend, name: str):
     return reference if name == "reference" else backend.module("persistence")
 
 
-@settings(max_examples=60)
 @given(
     kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=3),
     lengths=st.lists(st.integers(1, 5), max_size=4),
@@ -161,22 +160,15 @@ def _header_length(data: bytes) -> int:
     return 8 + int.from_bytes(data[:8], "little")
 
 
-def test_every_flipped_header_byte_is_refused(saved_file) -> None:
-    """PERSIST-4: one changed bit in any byte of the length or the header."""
+@given(where=st.floats(0, 1, exclude_max=True), xor=st.integers(1, 255))
+def test_flipped_header_byte_is_refused(backend, saved_file, where: float, xor: int) -> None:
+    """PERSIST-4: any changed byte of the length or the header (a fifth of the file)."""
     _, data = saved_file
-    with _folder() as folder:
-        broken = os.path.join(folder, "flipped.safetensors")
-        for position in range(_header_length(data)):
-            for bit in (0x01, 0x20):
-                flipped = bytearray(data)
-                flipped[position] ^= bit
-                with open(broken, "wb") as f:
-                    f.write(flipped)
-                with pytest.raises(ValueError):
-                    reference.load_caches(broken)
+    flipped = bytearray(data)
+    flipped[int(where * _header_length(data))] ^= xor
+    _refused(backend, bytes(flipped))
 
 
-@settings(max_examples=100)
 @given(where=st.floats(0, 1, exclude_max=True), xor=st.integers(1, 255))
 def test_flipped_byte_anywhere_is_refused(backend, saved_file, where: float, xor: int) -> None:
     """PERSIST-4: any changed byte, header or data, through either backend."""
