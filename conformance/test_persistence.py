@@ -178,6 +178,22 @@ def test_flipped_byte_anywhere_is_refused(backend, saved_file, where: float, xor
     _refused(backend, bytes(flipped))
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'\\"model\\":\\"test\\"', b'\\"model\\":\\"tesT\\"'),
+        (b'\\"offset\\":9', b'\\"offset\\":8'),
+    ],
+    ids=["user-metadata", "offset"],
+)
+def test_edited_document_is_refused(backend, saved_file, old: bytes, new: bytes) -> None:
+    """PERSIST-4: an edit that leaves the header well formed and consistent is refused by
+    the header digest."""
+    _, data = saved_file
+    assert old in data
+    _refused(backend, data.replace(old, new, 1), "header checksum")
+
+
 def _tampered(
     data: bytes,
     edit: Callable[[dict, dict[str, np.ndarray]], None],
@@ -430,7 +446,7 @@ def _mlx_lm_caches() -> list[Any]:
         mlx_lm_cache.RotatingKVCache(300),
         mlx_lm_cache.KVCache(),
     ]
-    for step, length in enumerate([5, 1, 1, 3]):
+    for step, length in enumerate([5, 1, 1, 3, 1, 1]):
         k, v = random_kv(step, (1, 2, length, 64), 64, FLOAT_DTYPES["bfloat16"])
         for cache in caches[:4]:
             cache.update_and_fetch(mx.array(k), mx.array(v))
