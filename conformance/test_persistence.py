@@ -21,6 +21,13 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_lm_cache
 
 from kvspec.conformance.cache_machine import assert_same_state, random_kv
+from kvspec.conformance.persistence_vectors import (
+    GOLDEN_CACHES,
+    METADATA,
+    golden_bytes,
+    golden_cache,
+    golden_path,
+)
 from kvspec.reference import caches as reference_caches
 from kvspec.reference import persistence as reference
 from kvspec.reference.dtypes import FLOAT_DTYPES
@@ -499,3 +506,16 @@ def test_mlx_lm_file_of_other_classes_is_refused(backend) -> None:
         mlx_lm_cache.save_prompt_cache(path, [mlx_lm_cache.KVCache(), chunked])
         with pytest.raises(ValueError, match="ChunkedKVCache"):
             backend.module("persistence").load_mlx_lm_prompt_cache(path)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CACHES))
+def test_golden_file(backend, name: str) -> None:
+    """docs/vectors/persistence: the reference writes each golden file byte for byte (so
+    `tools/golden.py` left none stale), and the backend loads it into the state the
+    reference's cache holds."""
+    path = golden_path(name)
+    assert path.read_bytes() == golden_bytes(name), f"{path} is stale: run tools/golden.py"
+    loaded, metadata = backend.module("persistence").load_caches(str(path))
+    assert metadata == METADATA
+    (cache,) = loaded
+    assert_same_state(golden_cache(reference_caches, name, lambda a: a), cache, backend)

@@ -1,6 +1,6 @@
 """Write (or check) the golden vector files in docs/vectors from the reference.
 
-python tools/golden.py           # regenerate every file
+python tools/golden.py           # regenerate every file (saved caches in persistence/ too)
 python tools/golden.py --check   # exit 1 if a committed file differs
 """
 
@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvspec.conformance.persistence_vectors import GOLDEN_CACHES, golden_bytes, golden_path
 from kvspec.conformance.vectors import BUILDERS, render, vector_path
 
 
@@ -32,6 +33,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"wrote {path} ({len(text)} bytes)")
+    if not args.names:
+        for name in GOLDEN_CACHES:
+            path = golden_path(name)
+            data = golden_bytes(name)
+            if args.check:
+                if not path.exists() or path.read_bytes() != data:
+                    stale.append(str(path))
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                print(f"wrote {path} ({len(data)} bytes)")
     if stale:
         print("stale vector files (run tools/golden.py): " + ", ".join(stale))
         return 1
