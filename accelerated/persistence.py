@@ -74,9 +74,9 @@ def _dtype_code(array: mx.array) -> str:
     return code
 
 
-def _stored_bytes(array: mx.array) -> bytes:
-    # The buffer of an evaluated, row-major copy: the bytes safetensors stores.
-    return bytes(memoryview(mx.contiguous(array)))
+def _stored_bytes(array: mx.array) -> memoryview:
+    # The buffer of an evaluated row-major array: the bytes safetensors stores.
+    return memoryview(mx.contiguous(array))
 
 
 def write_safetensors(path: str, tensors: dict[str, mx.array], metadata: dict[str, str]) -> None:

@@ -119,7 +119,8 @@ class ArrayFiles:
     family: the backend's caches package. float_dtypes: its float formats by spec name.
     write(path, tensors, metadata): a safetensors file of `tensors` (PERSIST-2).
     read(path, header): the tensors of a file whose header is checked.
-    stored_bytes(array): the array's elements as little-endian bytes, row-major.
+    stored_bytes(array): a buffer of the array's elements as little-endian bytes,
+        row-major (hashed and written without a copy of its own).
     dtype_code(array): its safetensors dtype code.
     """
 
@@ -127,7 +128,7 @@ class ArrayFiles:
     float_dtypes: dict[str, Any]
     write: Callable[[str, dict[str, Any], dict[str, str]], None]
     read: Callable[[str, SafetensorsHeader], dict[str, Any]]
-    stored_bytes: Callable[[Any], bytes]
+    stored_bytes: Callable[[Any], Any]
     dtype_code: Callable[[Any], str]
 
 
@@ -268,6 +269,7 @@ def write_caches(
 ) -> None:
     """PERSIST-1 .. PERSIST-6 over a backend's `files`: check everything, take every
     cache's state (which raises a deferred failure first, DEFER-3), then write atomically."""
+    caches = list(caches)
     user = {} if metadata is None else metadata
     if not isinstance(user, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in user.items()
@@ -486,6 +488,8 @@ def read_caches(files: ArrayFiles, path: str, expect: Expected | None) -> Loaded
     """PERSIST-2 .. PERSIST-8 over a backend's `files`: header, document, digest and records
     checked before any tensor is read; then every array's checksum; then the caches
     rebuilt and held against `expect`. Nothing is returned unless all of it passes."""
+    if expect is not None and not isinstance(expect, Expected):
+        raise TypeError(f"expect is an Expected or None, got {expect!r}")
     header = read_header(path)
     document = read_document(path, header)
     records = _checked_records(path, document, header)
@@ -514,7 +518,7 @@ def _mlx_lm_scalar(path: str, name: str, tensors: dict[str, Any], files: ArrayFi
     array = tensors.get(name)
     if array is None or files.dtype_code(array) not in ("I32", "I64") or array.size != 1:
         raise ValueError(f"{path}: mlx-lm tensor {name} is not an integer scalar")
-    return int.from_bytes(files.stored_bytes(array), "little", signed=True)
+    return int.from_bytes(memoryview(files.stored_bytes(array)).tobytes(), "little", signed=True)
 
 
 def read_mlx_lm_prompt_cache(files: ArrayFiles, path: str) -> LoadedCaches:
@@ -632,8 +636,8 @@ def _numpy_dtype_code(array: np.ndarray) -> str:
     raise ValueError(f"dtype {array.dtype} has no safetensors code")
 
 
-def _numpy_bytes(array: np.ndarray) -> bytes:
-    return np.ascontiguousarray(array, NUMPY_DTYPES[_numpy_dtype_code(array)]).tobytes()
+def _numpy_bytes(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, NUMPY_DTYPES[_numpy_dtype_code(array)])
 
 
 def _numpy_files() -> ArrayFiles:
