@@ -22,28 +22,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.names) - set(BUILDERS))
     if unknown:
         parser.error(f"unknown vector files {unknown}; expected some of {sorted(BUILDERS)}")
+    files = [(vector_path(n), render(BUILDERS[n]()).encode()) for n in args.names or BUILDERS]
+    if not args.names:
+        files += [(golden_path(name), golden_bytes(name)) for name in GOLDEN_CACHES]
     stale = []
-    for name in args.names or list(BUILDERS):
-        path = vector_path(name)
-        text = render(BUILDERS[name]())
+    for path, data in files:
         if args.check:
-            if not path.exists() or path.read_text() != text:
+            if not path.exists() or path.read_bytes() != data:
                 stale.append(str(path))
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path} ({len(text)} bytes)")
-    if not args.names:
-        for name in GOLDEN_CACHES:
-            path = golden_path(name)
-            data = golden_bytes(name)
-            if args.check:
-                if not path.exists() or path.read_bytes() != data:
-                    stale.append(str(path))
-            else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(data)
-                print(f"wrote {path} ({len(data)} bytes)")
+            path.write_bytes(data)
+            print(f"wrote {path} ({len(data)} bytes)")
     if stale:
         print("stale vector files (run tools/golden.py): " + ", ".join(stale))
         return 1
