@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_lm_cache
 
+from kvspec.accelerated.mlx_lm.cache import CacheRecipe, kvspec_cache
 from kvspec.conformance.cache_machine import assert_same_state, random_kv
 from kvspec.conformance.persistence_vectors import (
     GOLDEN_CACHES,
@@ -491,7 +492,8 @@ def test_mlx_lm_prompt_cache_files(backend, reader: str) -> None:
 
 
 def test_mlx_lm_file_of_other_classes_is_refused(backend) -> None:
-    """PERSIST-9: a class without a kvspec counterpart is named."""
+    """PERSIST-9: a class without a kvspec counterpart is named; the adapter's files are
+    sent to the adapter's loader."""
     with _folder() as folder:
         path = os.path.join(folder, "chunked.safetensors")
         chunked = mlx_lm_cache.ChunkedKVCache(8)
@@ -500,6 +502,12 @@ def test_mlx_lm_file_of_other_classes_is_refused(backend) -> None:
         mlx_lm_cache.save_prompt_cache(path, [mlx_lm_cache.KVCache(), chunked])
         with pytest.raises(ValueError, match="ChunkedKVCache"):
             backend.module("persistence").load_mlx_lm_prompt_cache(path)
+        adapter_path = os.path.join(folder, "adapter.safetensors")
+        adapter_cache = kvspec_cache(CacheRecipe("affine:4:64", 0))
+        adapter_cache.update_and_fetch(k, k)
+        mlx_lm_cache.save_prompt_cache(adapter_path, [adapter_cache])
+        with pytest.raises(ValueError, match=r"mlx_lm\.load_prompt_cache"):
+            backend.module("persistence").load_mlx_lm_prompt_cache(adapter_path)
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_CACHES))

@@ -542,6 +542,11 @@ def read_mlx_lm_prompt_cache(files: ArrayFiles, path: str) -> LoadedCaches:
     tensors = files.read(path, header)
     caches = []
     for layer, name in enumerate(classes):
+        if name.startswith("Kvspec"):
+            raise ValueError(
+                f"{path}: layer {layer} was saved by kvspec's mlx-lm adapter ({name}): read "
+                "the file with kvspec.accelerated.mlx_lm.load_prompt_cache"
+            )
         if name not in MLX_LM_SCALARS:
             raise ValueError(
                 f"{path}: layer {layer} is mlx-lm's {name}; kvspec reads "
