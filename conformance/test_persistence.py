@@ -404,8 +404,8 @@ def test_save_refuses_what_it_cannot_save(backend) -> None:
 
 
 def test_failed_save_leaves_the_previous_file(backend, saved_file, monkeypatch) -> None:
-    """PERSIST-6: a write failing midway or a failing rename leaves the previous file whole
-    and no temporary file; a missing folder creates nothing."""
+    """PERSIST-6: a write failing or interrupted midway, or a failing rename, leaves the
+    previous file whole and no temporary file; a missing folder creates nothing."""
     persistence = backend.module("persistence")
     family = backend.module("caches")
     _, previous = saved_file
@@ -415,6 +415,11 @@ def test_failed_save_leaves_the_previous_file(backend, saved_file, monkeypatch) 
             f.write(b"partial")
         raise OSError("no space left on device")
 
+    def interrupted_write(path: str, tensors: dict, metadata: dict) -> None:
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt
+
     with _folder() as folder:
         path = os.path.join(folder, "caches.safetensors")
         with open(path, "wb") as f:
@@ -422,6 +427,10 @@ def test_failed_save_leaves_the_previous_file(backend, saved_file, monkeypatch) 
         with monkeypatch.context() as patch:
             patch.setattr(persistence, "write_safetensors", partial_write)
             with pytest.raises(OSError, match="no space"):
+                persistence.save_caches(path, [family.KVCache()])
+        with monkeypatch.context() as patch:
+            patch.setattr(persistence, "write_safetensors", interrupted_write)
+            with pytest.raises(KeyboardInterrupt):
                 persistence.save_caches(path, [family.KVCache()])
         with monkeypatch.context() as patch:
 
