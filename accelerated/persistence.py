@@ -4,6 +4,7 @@ has been checked."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -103,18 +104,20 @@ def _mlx_files() -> ArrayFiles:
     )
 
 
-def save_caches(path: str, caches: Sequence[Cache], metadata: dict[str, str] | None = None) -> None:
+def save_caches(
+    path: str | os.PathLike[str], caches: Sequence[Cache], metadata: dict[str, str] | None = None
+) -> None:
     """PERSIST-1: write `caches` (MLX caches, one per layer, any kinds) and the user
     `metadata` to `path` atomically (PERSIST-6)."""
     write_caches(_mlx_files(), path, caches, metadata)
 
 
-def load_caches(path: str, expect: Expected | None = None) -> LoadedCaches:
+def load_caches(path: str | os.PathLike[str], expect: Expected | None = None) -> LoadedCaches:
     """PERSIST-1: the MLX caches and user metadata saved at `path` by either backend,
     checked (PERSIST-7) and held against `expect` (PERSIST-8)."""
     return read_caches(_mlx_files(), path, expect)
 
 
-def load_mlx_lm_prompt_cache(path: str) -> LoadedCaches:
+def load_mlx_lm_prompt_cache(path: str | os.PathLike[str]) -> LoadedCaches:
     """PERSIST-9: the MLX caches and user metadata of an mlx-lm prompt-cache file."""
     return read_mlx_lm_prompt_cache(_mlx_files(), path)

@@ -526,7 +526,7 @@ def test_golden_file(backend, name: str) -> None:
     reference's cache holds."""
     path = golden_path(name)
     assert path.read_bytes() == golden_bytes(name), f"{path} is stale: run tools/golden.py"
-    loaded, metadata = backend.module("persistence").load_caches(str(path))
+    loaded, metadata = backend.module("persistence").load_caches(path)  # a Path: PathLike
     assert metadata == METADATA
     (cache,) = loaded
     assert_same_state(golden_cache(reference_caches, name, lambda a: a), cache, backend)

@@ -265,11 +265,14 @@ def parameters(cache: object, family: ModuleType) -> dict[str, int | str]:
 
 
 def write_caches(
-    files: ArrayFiles, path: str, caches: Sequence[Cache], metadata: dict[str, str] | None
+    files: ArrayFiles,
+    path: str | os.PathLike[str],
+    caches: Sequence[Cache],
+    metadata: dict[str, str] | None,
 ) -> None:
     """PERSIST-1 .. PERSIST-6 over a backend's `files`: check everything, take every
     cache's state (which raises a deferred failure first, DEFER-3), then write atomically."""
-    caches = list(caches)
+    path, caches = os.fspath(path), list(caches)
     user = {} if metadata is None else metadata
     if not isinstance(user, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in user.items()
@@ -484,12 +487,15 @@ def check_expected(path: str, caches: list[Cache], expect: Expected, family: Mod
                 )
 
 
-def read_caches(files: ArrayFiles, path: str, expect: Expected | None) -> LoadedCaches:
+def read_caches(
+    files: ArrayFiles, path: str | os.PathLike[str], expect: Expected | None
+) -> LoadedCaches:
     """PERSIST-2 .. PERSIST-8 over a backend's `files`: header, document, digest and records
     checked before any tensor is read; then every array's checksum; then the caches
     rebuilt and held against `expect`. Nothing is returned unless all of it passes."""
     if expect is not None and not isinstance(expect, Expected):
         raise TypeError(f"expect is an Expected or None, got {expect!r}")
+    path = os.fspath(path)
     header = read_header(path)
     document = read_document(path, header)
     records = _checked_records(path, document, header)
@@ -521,9 +527,10 @@ def _mlx_lm_scalar(path: str, name: str, tensors: dict[str, Any], files: ArrayFi
     return int.from_bytes(memoryview(files.stored_bytes(array)).tobytes(), "little", signed=True)
 
 
-def read_mlx_lm_prompt_cache(files: ArrayFiles, path: str) -> LoadedCaches:
+def read_mlx_lm_prompt_cache(files: ArrayFiles, path: str | os.PathLike[str]) -> LoadedCaches:
     """PERSIST-9 over a backend's `files`: the caches of an mlx-lm prompt-cache file as
     kvspec caches, the header checked first (PERSIST-2)."""
+    path = os.fspath(path)
     header = read_header(path)
     metadata = header.metadata
     if DOCUMENT_KEY in metadata:
@@ -658,18 +665,20 @@ def _numpy_files() -> ArrayFiles:
     )
 
 
-def save_caches(path: str, caches: Sequence[Cache], metadata: dict[str, str] | None = None) -> None:
+def save_caches(
+    path: str | os.PathLike[str], caches: Sequence[Cache], metadata: dict[str, str] | None = None
+) -> None:
     """PERSIST-1: write `caches` (reference caches, one per layer, any kinds) and the user
     `metadata` to `path` atomically (PERSIST-6)."""
     write_caches(_numpy_files(), path, caches, metadata)
 
 
-def load_caches(path: str, expect: Expected | None = None) -> LoadedCaches:
+def load_caches(path: str | os.PathLike[str], expect: Expected | None = None) -> LoadedCaches:
     """PERSIST-1: the reference caches and user metadata saved at `path` by either backend,
     checked (PERSIST-7) and held against `expect` (PERSIST-8)."""
     return read_caches(_numpy_files(), path, expect)
 
 
-def load_mlx_lm_prompt_cache(path: str) -> LoadedCaches:
+def load_mlx_lm_prompt_cache(path: str | os.PathLike[str]) -> LoadedCaches:
     """PERSIST-9: the reference caches and user metadata of an mlx-lm prompt-cache file."""
     return read_mlx_lm_prompt_cache(_numpy_files(), path)
