@@ -3,7 +3,7 @@
 Modules, bottom up: protocol (the Cache ABC, CacheState), masks, attention (the reference
 attention), reads, kv (growable storage, KVCache), quantized, rotating (the ring,
 RotatingKVCache), rotating_quantized, turboquant (TurboQuantKVCache), bf16_first, scheme
-(composition).
+(composition), donor (donor reads).
 """
 
 from kvspec.reference.caches.bf16_first import (
