@@ -1,6 +1,6 @@
 """Write (or check) the golden vector files in docs/vectors from the reference.
 
-python tools/golden.py           # regenerate every file
+python tools/golden.py           # regenerate every file (saved caches in persistence/ too)
 python tools/golden.py --check   # exit 1 if a committed file differs
 """
 
@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvspec.conformance.persistence_vectors import GOLDEN_CACHES, golden_bytes, golden_path
 from kvspec.conformance.vectors import BUILDERS, render, vector_path
 
 
@@ -21,17 +22,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.names) - set(BUILDERS))
     if unknown:
         parser.error(f"unknown vector files {unknown}; expected some of {sorted(BUILDERS)}")
+    files = [(vector_path(n), render(BUILDERS[n]()).encode()) for n in args.names or BUILDERS]
+    if not args.names:
+        files += [(golden_path(name), golden_bytes(name)) for name in GOLDEN_CACHES]
     stale = []
-    for name in args.names or list(BUILDERS):
-        path = vector_path(name)
-        text = render(BUILDERS[name]())
+    for path, data in files:
         if args.check:
-            if not path.exists() or path.read_text() != text:
+            if not path.exists() or path.read_bytes() != data:
                 stale.append(str(path))
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path} ({len(text)} bytes)")
+            path.write_bytes(data)
+            print(f"wrote {path} ({len(data)} bytes)")
     if stale:
         print("stale vector files (run tools/golden.py): " + ", ".join(stale))
         return 1

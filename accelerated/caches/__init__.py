@@ -14,6 +14,7 @@ from kvspec.accelerated.caches.bf16_first import (
     Bf16FirstRotatingQuantizedKVCache,
     Bf16FirstTurboQuantKVCache,
 )
+from kvspec.accelerated.caches.donor import DonorRows, capture_donor_attention, capture_donor_rows
 from kvspec.accelerated.caches.kv import KVCache
 from kvspec.accelerated.caches.quantized import QuantizedKVCache
 from kvspec.accelerated.caches.rotating import RotatingKVCache
@@ -52,6 +53,7 @@ __all__ = [
     "Bf16Scheme",
     "Cache",
     "CacheState",
+    "DonorRows",
     "KVCache",
     "KvLayout",
     "KvStorageScheme",
@@ -60,6 +62,8 @@ __all__ = [
     "RotatingQuantizedKVCache",
     "TurboQuantKVCache",
     "TurboScheme",
+    "capture_donor_attention",
+    "capture_donor_rows",
     "composed_full_attention_cache",
     "composed_sliding_attention_cache",
     "parse_scheme",

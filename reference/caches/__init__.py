@@ -3,7 +3,7 @@
 Modules, bottom up: protocol (the Cache ABC, CacheState), masks, attention (the reference
 attention), reads, kv (growable storage, KVCache), quantized, rotating (the ring,
 RotatingKVCache), rotating_quantized, turboquant (TurboQuantKVCache), bf16_first, scheme
-(composition).
+(composition), donor (donor reads).
 """
 
 from kvspec.reference.caches.bf16_first import (
@@ -14,6 +14,7 @@ from kvspec.reference.caches.bf16_first import (
     Bf16FirstTurboQuantKVCache,
     transition_due,
 )
+from kvspec.reference.caches.donor import DonorRows, capture_donor_attention, capture_donor_rows
 from kvspec.reference.caches.kv import STEP, KVCache
 from kvspec.reference.caches.protocol import Cache, CacheState, KvLayout
 from kvspec.reference.caches.quantized import QuantizedKVCache
@@ -45,6 +46,7 @@ __all__ = [
     "Bf16Scheme",
     "Cache",
     "CacheState",
+    "DonorRows",
     "KVCache",
     "KvLayout",
     "KvStorageScheme",
@@ -53,6 +55,8 @@ __all__ = [
     "RotatingQuantizedKVCache",
     "TurboQuantKVCache",
     "TurboScheme",
+    "capture_donor_attention",
+    "capture_donor_rows",
     "composed_full_attention_cache",
     "composed_sliding_attention_cache",
     "parse_scheme",

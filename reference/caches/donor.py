@@ -1,0 +1,58 @@
+"""Donor reads: a target cache's keys and values lent to a drafter model (spec DONOR-1,
+DONOR-2). Reads only: they append nothing and change no cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvspec.reference.caches.bf16_first import Bf16FirstCache
+from kvspec.reference.caches.protocol import Cache, Read
+from kvspec.reference.caches.rotating import RingStorage
+
+
+@dataclass(frozen=True)
+class DonorRows:
+    """Decoded keys [B, H, T, Dk] and values [B, H, T, Dv] of the positions a next query of
+    the cache would see, oldest first, and per row b: `offsets[b]` positions appended,
+    and the positions held, [starts[b], ends[b]) (DONOR-1)."""
+
+    keys: Any
+    values: Any
+    offsets: tuple[int, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+
+
+def capture_donor_rows(cache: Cache) -> DonorRows:
+    """DONOR-1: the decoded window of `cache` with its positions; ValueError for an empty
+    cache, or a ring whose window is not one span (keep > 0 after an eviction)."""
+    storage = cache.storage if isinstance(cache, Bf16FirstCache) else cache
+    if storage.offset == 0:
+        raise ValueError("donor rows of an empty cache: nothing was appended (or all trimmed)")
+    window = storage.keys_and_values()
+    assert window is not None
+    keys, values = window
+    offset = storage.offset
+    if isinstance(storage, RingStorage):
+        # The live buffer in temporal order (RING-3), then the last max_size positions:
+        # the window a next query sees (RING-1).
+        keys, values = storage._temporal_order((keys, values))
+        held = min(offset, storage.max_size)
+        if storage.keep > 0 and offset > storage.max_size:
+            raise ValueError(
+                f"a ring keeping {storage.keep} positions holds two spans once it evicted "
+                f"(offset {offset} > max_size {storage.max_size}); donor rows are one span"
+            )
+        keys, values = keys[:, :, -held:], values[:, :, -held:]
+    rows = keys.shape[0]
+    T = keys.shape[2]
+    return DonorRows(keys, values, (offset,) * rows, (offset - T,) * rows, (offset,) * rows)
+
+
+def capture_donor_attention(cache: Cache) -> Read:
+    """DONOR-2: the read a drafter attends with: its queries see every donor row, no mask
+    (READ-1)."""
+    rows = capture_donor_rows(cache)
+    storage = cache.storage if isinstance(cache, Bf16FirstCache) else cache
+    return storage.dense_read(rows.keys, rows.values, None)
