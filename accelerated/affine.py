@@ -186,4 +186,7 @@ def dequantize(
             f"scales shape {tuple(scales.shape)} does not match "
             f"{D} values in groups of {group_size}"
         )
+    if wq.size == 0:
+        # mx.dequantize cannot reshape an empty array (a cache trimmed to offset 0).
+        return mx.zeros((*lead, D), scales.dtype)
     return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
