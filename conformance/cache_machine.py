@@ -1,10 +1,14 @@
 """A hypothesis state machine that drives a reference cache and a backend cache with the
 same operations and compares them after every step (spec CACHE-1 .. B16F-6).
 
-The reference cache is the model. After each step: same signature, offset and ring
-index, stored fields bit for bit (CACHE-8), and each cache's `check_invariants()`. Each
-read attends with the same random queries on both sides; outputs agree within READ-1's
-bound. Bad input must raise ValueError on both sides and leave both exactly as they were
+Beside them runs an independent model of the kind (`oracles.py`): positions as a plain
+list, sharing no code with the state machines both backends run. After each step: the
+backend's signature, offset and ring index equal the reference's, stored fields bit for
+bit (CACHE-8), each cache's `check_invariants()`; and the reference's signature, offset,
+trimmability, fetch and live stored fields equal the model's. Each read attends with the
+same random queries: the reference's output equals the model's attention over the
+model's positions and mask, the backend's is within READ-1's bound of the reference's.
+Bad input must raise ValueError on both sides and leave both exactly as they were
 (CACHE-2). A failure prints the operations as a runnable program.
 """
 
@@ -31,6 +35,15 @@ from hypothesis.stateful import (
 from kvspec.conformance.backend import Backend
 from kvspec.conformance.bounds import read_bound
 from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.oracles import (
+    AffineCodec,
+    Bf16FirstModel,
+    ExpectedRead,
+    Model,
+    TurboQuantCodec,
+    model_of,
+    temporal,
+)
 from kvspec.reference import caches as reference
 from kvspec.reference import turboquant
 from kvspec.reference.caches.reads import DenseRead, PositionwiseRead
@@ -92,6 +105,60 @@ def assert_read_within_bound(
     assert np.all(error <= bound), f"attention error {error.max()} > bound {bound.min()}"
 
 
+def assert_matches_model(model: Model, cache: Any, to_numpy: Callable) -> None:
+    """The cache's signature, offset, trimmability, fetch and live stored fields equal the
+    model's (CACHE-3 .. B16F-6); a ring's rows are compared in temporal order (RING-4)."""
+    assert cache.signature() == model.signature()
+    assert cache.offset == model.offset
+    assert cache.minimum_reusable_offset == model.minimum_reusable_offset
+    assert cache.is_trimmable() == model.is_trimmable()
+    window, arrays = cache.keys_and_values(), cache.state().arrays
+    if model.is_empty():
+        assert window is None and arrays == ()
+        return
+    live = len(model.held)
+    assert window is not None and arrays
+    if live == 0:
+        assert to_numpy(window[0]).shape[2] == 0, "a fetch holds trimmed positions"
+        return
+    expected = model.window()
+
+    def ordered(rows: Any) -> np.ndarray:
+        rows = to_numpy(rows)
+        assert rows.shape[2] >= live, f"{rows.shape[2]} rows hold {live} positions"
+        rows = rows[:, :, :live]
+        if model.max_size is None:
+            return rows
+        return temporal(rows, cache.ring_index, model.keep)
+
+    for name, rows, want in zip(("keys", "values"), window, expected, strict=True):
+        assert to_numpy(rows).shape[2] == live, f"fetch holds {to_numpy(rows).shape[2]}"
+        assert_same_bits(ordered(rows), want, f"{model.signature()} fetched {name}")
+    fields = model.fields()
+    assert len(arrays) == len(fields)
+    for slot, (rows, want) in enumerate(zip(arrays, fields, strict=True)):
+        assert_same_bits(ordered(rows), want, f"{model.signature()} slot {slot}")
+
+
+def assert_read_matches_model(
+    expected: ExpectedRead | list[ExpectedRead], read: Any, queries: np.ndarray
+) -> None:
+    """The reference's read equals the model's attention (READ-1 .. READ-6, MASK-1 ..
+    MASK-3) within its float32 rounding (and TQC-4's dense-deferred tolerance)."""
+    scale = float(queries.shape[-1]) ** -0.5
+    reads = expected if isinstance(expected, list) else [expected]
+    per_query = len(reads) > 1
+    for i, model_read in enumerate(reads):
+        q = queries[:, :, i : i + 1] if per_query else queries
+        want = model_read.attend(q, scale)
+        got = read.attend(queries, scale).astype(np.float64)
+        got = got[:, :, i : i + 1] if per_query else got
+        error = np.abs(got - want).max()
+        assert error <= model_read.tolerance(), (
+            f"read {i}: the reference is {error} from the model, tolerance {model_read.tolerance()}"
+        )
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Reference and backend caches of one kind under the same operations."""
 
@@ -118,6 +185,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.head_dim = head_dim
         self.group_size = group_size
         self.ref = factory(reference)
+        self.model = model_of(self.ref)
         fixed = getattr(self.ref, "head_dim", None) is not None
         self.v_dim = head_dim if same_v_dim or group_size is None or fixed else head_dim * 2
         self.got = factory(self.backend.module("caches"))
@@ -147,6 +215,7 @@ class CacheMachine(RuleBasedStateMachine):
         k, v = self._kv(seed, length)
         if read == "fetch":
             (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
+            self.model.append(k, v)
             assert tuple(ak.shape) == ek.shape and tuple(av.shape) == ev.shape
             if self._fetch_exact():
                 assert_same_bits(self.backend.to_numpy(ak), ek, "fetched keys")
@@ -154,13 +223,23 @@ class CacheMachine(RuleBasedStateMachine):
             return
         method = "append_window" if read == "window" else "append_committed"
         expected, actual = self._both(method, k, v)
-        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+        if read == "committed" and self._positionwise_commit():
+            model_read: ExpectedRead | list[ExpectedRead] = [
+                self.model.append(k[:, :, i : i + 1], v[:, :, i : i + 1]) for i in range(length)
+            ]
+        else:
+            model_read = self.model.append(k, v)
+        queries = self._queries(seed, length)
+        assert_read_matches_model(model_read, expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend)
 
     @rule(seed=st.integers(0, 2**32 - 1))
     def decode(self, seed) -> None:
         k, v = self._kv(seed, 1)
         expected, actual = self._both("append_decode", k, v)
-        assert_read_within_bound(expected, actual, self._queries(seed, 1), self.backend)
+        queries = self._queries(seed, 1)
+        assert_read_matches_model(self.model.append(k, v), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend)
 
     @precondition(lambda self: self.ref.offset > 0)
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
@@ -169,7 +248,9 @@ class CacheMachine(RuleBasedStateMachine):
         k, v = self._kv(seed, length)
         before = self.ref.state()
         expected, actual = self._both("read_block", k, v)
-        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+        queries = self._queries(seed, length)
+        assert_read_matches_model(self.model.block(k, v), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend)
         assert self.ref.state().offset == before.offset
 
     @precondition(lambda self: self.ref.offset == 0 and not self._converted())
@@ -182,13 +263,17 @@ class CacheMachine(RuleBasedStateMachine):
         np.fill_diagonal(bidirectional, True)
         method = "append_encoder_window" if encoder else "append_bidirectional"
         expected, actual = self._both(method, k, v, bidirectional)
-        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+        model_read = self.model.append(k, v)
+        visible = bidirectional if encoder else model_read.visible | bidirectional
+        queries = self._queries(seed, length)
+        assert_read_matches_model(replace(model_read, visible=visible), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend)
 
     @rule(n=st.integers(0, 12))
     def trim(self, n) -> None:
         if self.ref.is_trimmable():
             assert self.got.is_trimmable()
-            assert self.got.trim(n) == self.ref.trim(n)
+            assert self.got.trim(n) == self.ref.trim(n) == self.model.trim(n)
             return
         assert not self.got.is_trimmable()
         self._expect_rejected(lambda cache, _: cache.trim(n))
@@ -250,6 +335,10 @@ class CacheMachine(RuleBasedStateMachine):
         float32 decode (TQC-2); affine fetches are not (QKV-2)."""
         return "affine" not in self.ref.signature()
 
+    def _positionwise_commit(self) -> bool:
+        """READ-4: a bf16-first ring commits a span one decode at a time."""
+        return isinstance(self.model, Bf16FirstModel) and self.model.positionwise_commit
+
     def _converted(self) -> bool:
         return isinstance(self.ref, reference.Bf16FirstCache) and self.ref.converted
 
@@ -270,6 +359,8 @@ class CacheMachine(RuleBasedStateMachine):
         sources = (self.ref, self.got)
         self.ref = self.ref.to_quantized(group_size, bits)
         self.got = self.got.to_quantized(group_size, bits)
+        assert not isinstance(self.model, Bf16FirstModel)
+        self.model = self.model.converted(AffineCodec(group_size, bits), "affine")
         for source in sources:
             assert source.offset == 0 and source.state().arrays == ()
             source.check_invariants()
@@ -297,6 +388,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.ref = reference.TurboQuantKVCache.from_kv_cache(self.ref, k_bits, v_bits, kernels)
         caches = self.backend.module("caches")
         self.got = caches.TurboQuantKVCache.from_kv_cache(self.got, k_bits, v_bits, kernels)
+        assert not isinstance(self.model, Bf16FirstModel)
+        codec = TurboQuantCodec(k_bits, v_bits, kernels == "deferred")
+        self.model = self.model.converted(codec, "turboquant")
         for source in sources:
             assert source.offset == 0 and source.state().arrays == ()
             source.check_invariants()
@@ -309,6 +403,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert_same_state(self.ref, self.got, self.backend)
         self.ref.check_invariants()
         self.got.check_invariants()
+        assert_matches_model(self.model, self.ref, np.asarray)
+        assert_matches_model(self.model, self.got, self.backend.to_numpy)
 
 
 def run_machine(
