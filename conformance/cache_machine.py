@@ -41,9 +41,12 @@ from kvspec.conformance.oracles import (
     ExpectedRead,
     Model,
     TurboQuantCodec,
+    causal,
     model_of,
     temporal,
+    visible_matrix,
 )
+from kvspec.conformance.strategies import GROUP_KINDS, edge_group
 from kvspec.reference import caches as reference
 from kvspec.reference import turboquant
 from kvspec.reference.caches.reads import DenseRead, PositionwiseRead
@@ -66,6 +69,31 @@ def random_kv(
     k = (rng.standard_normal((B, H, L, D)) * magnitude).astype(dtype)
     v = (rng.standard_normal((B, H, L, v_dim)) * magnitude).astype(dtype)
     return k, v
+
+
+#: Contents of an append other than Gaussian: one kind per group of 32 (strategies.py);
+#: "large" is left out (its scales are beyond what float16 layouts and TurboQuant hold).
+EDGE_CONTENTS = tuple(kind for kind in GROUP_KINDS if kind not in ("normal", "large"))
+
+
+def cache_contents(
+    seed: int, shape: tuple[int, int, int, int], v_dim: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """k, v for a cache: mostly `random_kv`; one append in four made of edge groups
+    (constants, zeros, -0 beside nonzero values, subnormals, exact ties, ...)."""
+    rng = np.random.default_rng(seed)
+    if rng.random() < 0.75:
+        return random_kv(seed, shape, v_dim, dtype)
+    B, H, L, D = shape
+
+    def edges(width: int) -> np.ndarray:
+        groups = [
+            edge_group(str(rng.choice(EDGE_CONTENTS)), 32, dtype, rng)
+            for _ in range(B * H * L * width // 32)
+        ]
+        return np.concatenate(groups).reshape(B, H, L, width).astype(dtype)
+
+    return edges(D), edges(v_dim)
 
 
 def assert_same_state(expected: Any, actual: Any, backend: Backend) -> None:
@@ -189,13 +217,15 @@ class CacheMachine(RuleBasedStateMachine):
         fixed = getattr(self.ref, "head_dim", None) is not None
         self.v_dim = head_dim if same_v_dim or group_size is None or fixed else head_dim * 2
         self.got = factory(self.backend.module("caches"))
+        self.long_appended = False
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _kv(self, seed: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        return random_kv(
-            seed, (self.batch, self.kv_heads, length, self.head_dim), self.v_dim, self.dtype
-        )
+    def _kv(
+        self, seed: int, length: int, dtype: np.dtype | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        shape = (self.batch, self.kv_heads, length, self.head_dim)
+        return cache_contents(seed, shape, self.v_dim, dtype or self.dtype)
 
     def _queries(self, seed: int, length: int) -> np.ndarray:
         rng = np.random.default_rng(seed + 1)
@@ -203,9 +233,20 @@ class CacheMachine(RuleBasedStateMachine):
         return rng.standard_normal(shape).astype(self.dtype)
 
     def _both(self, method: str, *arrays: np.ndarray) -> tuple[Any, Any]:
-        expected = getattr(self.ref, method)(*arrays)
-        actual = getattr(self.got, method)(*(self.backend.from_numpy(a) for a in arrays))
+        """The same call on both caches, each given arrays of its own; what each received
+        must be unchanged after the call (CONV-5)."""
+        given = [np.array(a) for a in arrays]
+        expected = getattr(self.ref, method)(*given)
+        received = [self.backend.from_numpy(a) for a in arrays]
+        actual = getattr(self.got, method)(*received)
+        self._assert_inputs_unchanged(arrays, given, np.asarray)
+        self._assert_inputs_unchanged(arrays, received, self.backend.to_numpy)
         return expected, actual
+
+    @staticmethod
+    def _assert_inputs_unchanged(originals: Any, received: Any, to_numpy: Callable) -> None:
+        for original, array in zip(originals, received, strict=True):
+            assert_same_bits(to_numpy(array), np.asarray(original), "an input after the call")
 
     # -- rules ---------------------------------------------------------------------------
 
@@ -288,6 +329,85 @@ class CacheMachine(RuleBasedStateMachine):
         self.got = self.factory(self.backend.module("caches"))
         arrays = tuple(self.backend.from_numpy(a) for a in state.arrays)
         self.got.restore_state(replace(state, arrays=arrays))
+        self.model.restored()
+
+    @rule(bad=st.sampled_from(["signature", "offset", "ring_index", "slots"]))
+    def restore_rejected(self, bad) -> None:
+        """CACHE-8, RING-6, TQC-5, B16F-6: a state of another kind or with inconsistent
+        arrays is rejected and changes nothing."""
+        state = self.ref.state()
+        if bad == "signature":
+            state = replace(state, signature=state.signature + ":other")
+        elif bad == "offset":
+            if self.ref.ring_index is not None and state.arrays:
+                return  # a ring's offset may exceed its rows (RING-1)
+            state = replace(state, offset=state.offset + 1)
+        elif bad == "ring_index":
+            if self.ref.ring_index is None:
+                return
+            rows = state.arrays[0].shape[2] if state.arrays else 0
+            state = replace(state, ring_index=rows + 1)
+        elif bad == "slots":
+            if not state.arrays:
+                return
+            state = replace(state, arrays=state.arrays[:-1])
+
+        def restore(cache: Any, convert: Callable) -> None:
+            cache.restore_state(replace(state, arrays=tuple(convert(a) for a in state.arrays)))
+
+        self._expect_rejected(restore)
+
+    @precondition(lambda self: self.ref.layout is not None)
+    @rule(seed=st.integers(0, 2**32 - 1), data=st.data())
+    def format_mixing(self, seed, data) -> None:
+        """TQC-2: TurboQuant storage takes appends of any float format (the fields do not
+        record it); every other storage rejects a format other than its layout's (CACHE-2)."""
+        others = sorted(name for name, d in FLOAT_DTYPES.items() if d != self.dtype)
+        dtype = FLOAT_DTYPES[data.draw(st.sampled_from(others), label="format")]
+        k, v = self._kv(seed, data.draw(st.integers(1, 3), label="length"), dtype)
+        if "turboquant" not in self.ref.signature():
+            self._expect_rejected(
+                lambda cache, convert: cache.update_and_fetch(convert(k), convert(v))
+            )
+            return
+        self._both("update_and_fetch", k, v)
+        self.model.append(k, v)
+
+    @precondition(lambda self: not self.long_appended)
+    @rule(seed=st.integers(0, 2**32 - 1), data=st.data())
+    def long_append(self, seed, data) -> None:
+        """CACHE-3, RING-3: one append past a 256-row growth step."""
+        self.long_appended = True
+        length = data.draw(st.integers(250, 300), label="length")
+        k, v = self._kv(seed, length)
+        self._both("update_and_fetch", k, v)
+        self.model.append(k, v)
+
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), window=st.integers(1, 12))
+    def windowed_read(self, data, seed, window) -> None:
+        """MASK-2, MASK-3: `make_mask(L, window)` taken before an append, as the model
+        states it, and the read of the fetch under it."""
+        length = data.draw(st.integers(1, 4), label="length")
+        k, v = self._kv(seed, length)
+        masks = self.ref.make_mask(length, window), self.got.make_mask(length, window)
+        (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
+        model_read = self.model.append(k, v)
+        held = len(self.model.held)
+        if self.model.max_size is None or length > 1:
+            visible = causal(length, held - length, window)
+        else:
+            # One query of a ring sees the last `window` entries (MASK-3).
+            visible = (np.arange(held) >= held - window)[None, :]
+        for cache, mask in zip((self.ref, self.got), masks, strict=True):
+            matrix = visible_matrix(mask, length, held, self.backend.to_numpy)
+            if self.model.max_size is not None:
+                matrix = temporal(matrix[None, None], cache.ring_index, self.model.keep)[0, 0]
+            np.testing.assert_array_equal(matrix, visible, err_msg=f"{type(cache)} mask")
+        expected = DenseRead(ek, ev, masks[0])
+        actual = self.backend.module("caches.reads").DenseRead(ak, av, masks[1])
+        queries = self._queries(seed, length)
+        assert_read_matches_model(replace(model_read, visible=visible), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend)
 
     @rule(
         seed=st.integers(0, 2**32 - 1),
@@ -313,11 +433,24 @@ class CacheMachine(RuleBasedStateMachine):
         self._expect_rejected(lambda cache, convert: getattr(cache, method)(convert(k), convert(v)))
 
     def _expect_rejected(self, operation: Callable[[Any, Callable], Any]) -> None:
+        """CACHE-2, CONV-5: ValueError on both sides; each cache, and every array it was
+        given, exactly as before."""
         before_ref, before_got = self.ref.state(), self.got.state()
-        with pytest.raises(ValueError):
-            operation(self.ref, np.asarray)
-        with pytest.raises(ValueError):
-            operation(self.got, self.backend.from_numpy)
+        for cache, convert, to_numpy in (
+            (self.ref, np.array, np.asarray),
+            (self.got, self.backend.from_numpy, self.backend.to_numpy),
+        ):
+            originals: list[np.ndarray] = []
+            received: list[Any] = []
+
+            def recorded(a: np.ndarray, convert: Callable = convert) -> Any:
+                originals.append(np.array(a))
+                received.append(convert(a))
+                return received[-1]
+
+            with pytest.raises(ValueError):
+                operation(cache, recorded)
+            self._assert_inputs_unchanged(originals, received, to_numpy)
         for cache, before in ((self.ref, before_ref), (self.got, before_got)):
             after = cache.state()
             assert (after.signature, after.offset, after.ring_index) == (

@@ -138,6 +138,19 @@ def causal(n: int, before: int, window: int | None) -> np.ndarray:
     return (key <= query) & ((query - key < window) if window is not None else True)
 
 
+def visible_matrix(mask: Any, n: int, t: int, to_numpy: Any = np.asarray) -> np.ndarray:
+    """A read's mask as bool [n, t] (MASK-1): None sees every key, "causal" aligns the last
+    query with the last key, an array [t] or [n, t] broadcasts."""
+    if mask is None:
+        return np.ones((n, t), bool)
+    if isinstance(mask, str):
+        assert mask == "causal", mask
+        return causal(n, t - n, None)
+    array = to_numpy(mask)
+    assert array.dtype == np.bool_ and array.shape in ((t,), (n, t)), (array.dtype, array.shape)
+    return np.broadcast_to(array, (n, t))
+
+
 def temporal(rows: np.ndarray, ring_index: int, keep: int) -> np.ndarray:
     """Live ring rows [B, H, T, *] in temporal order (RING-4): as they are while the ring
     index is past them; once it wrapped, the first keep, then from the ring index on,
@@ -161,6 +174,9 @@ class CacheModel:
     held: list[Fields] = field(default_factory=list)
     #: Whether anything was appended (trimming to 0 keeps empty fields, CACHE-8).
     stored: bool = False
+    #: Rows of growable fields (CACHE-3): whole steps of 256, cut to the offset first when
+    #: it is off a step; a restore or a conversion leaves exactly the offset (CACHE-8).
+    capacity: int = 0
 
     def signature(self) -> str:
         """CACHE-7."""
@@ -182,6 +198,10 @@ class CacheModel:
 
     def append(self, k: np.ndarray, v: np.ndarray) -> ExpectedRead:
         """Append L positions; the causal (windowed, on a ring) read of them."""
+        L = k.shape[2]
+        if not self.stored or self.offset + L > self.capacity:
+            kept = self.capacity if self.offset % 256 == 0 else self.offset
+            self.capacity = kept + -(-L // 256) * 256
         if self.max_size is not None and len(self.held) >= self.max_size:
             recent = len(self.held) - (self.max_size - 1 - self.keep)
             self.held = self.held[: self.keep] + self.held[recent:]
@@ -228,7 +248,12 @@ class CacheModel:
             self.minimum_reusable_offset,
             held,
             self.stored,
+            self.offset,
         )
+
+    def restored(self) -> None:
+        """CACHE-8: a restore keeps every position; growable fields hold exactly the offset."""
+        self.capacity = self.offset
 
 
 @dataclass
@@ -290,6 +315,13 @@ class Bf16FirstModel:
 
     def is_empty(self) -> bool:
         return self.model.is_empty()
+
+    @property
+    def capacity(self) -> int:
+        return self.model.capacity
+
+    def restored(self) -> None:
+        self.model.restored()
 
     def block(self, k: np.ndarray, v: np.ndarray) -> ExpectedRead:
         return self.model.block(k, v)
