@@ -187,6 +187,21 @@ def assert_read_matches_model(
         )
 
 
+class RecordedInputs:
+    """Converts arrays for one cache, keeping a copy of each original beside what the
+    cache received."""
+
+    def __init__(self, convert: Callable[[np.ndarray], Any]) -> None:
+        self.convert = convert
+        self.originals: list[np.ndarray] = []
+        self.received: list[Any] = []
+
+    def __call__(self, array: np.ndarray) -> Any:
+        self.originals.append(np.array(array))
+        self.received.append(self.convert(array))
+        return self.received[-1]
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Reference and backend caches of one kind under the same operations."""
 
@@ -440,17 +455,10 @@ class CacheMachine(RuleBasedStateMachine):
             (self.ref, np.array, np.asarray),
             (self.got, self.backend.from_numpy, self.backend.to_numpy),
         ):
-            originals: list[np.ndarray] = []
-            received: list[Any] = []
-
-            def recorded(a: np.ndarray, convert: Callable = convert) -> Any:
-                originals.append(np.array(a))
-                received.append(convert(a))
-                return received[-1]
-
+            recorded = RecordedInputs(convert)
             with pytest.raises(ValueError):
                 operation(cache, recorded)
-            self._assert_inputs_unchanged(originals, received, to_numpy)
+            self._assert_inputs_unchanged(recorded.originals, recorded.received, to_numpy)
         for cache, before in ((self.ref, before_ref), (self.got, before_got)):
             after = cache.state()
             assert (after.signature, after.offset, after.ring_index) == (
