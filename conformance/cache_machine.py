@@ -140,6 +140,9 @@ def assert_matches_model(model: Model, cache: Any, to_numpy: Callable) -> None:
     assert cache.offset == model.offset
     assert cache.minimum_reusable_offset == model.minimum_reusable_offset
     assert cache.is_trimmable() == model.is_trimmable()
+    if model.max_size is None:
+        storage = getattr(cache, "storage", cache)  # a bf16-first cache's held storage
+        assert storage.capacity == model.capacity, "capacity (CACHE-3)"
     window, arrays = cache.keys_and_values(), cache.state().arrays
     if model.is_empty():
         assert window is None and arrays == ()
@@ -403,6 +406,10 @@ class CacheMachine(RuleBasedStateMachine):
         """MASK-2, MASK-3: `make_mask(L, window)` taken before an append, as the model
         states it, and the read of the fetch under it."""
         length = data.draw(st.integers(1, 4), label="length")
+        if length == 1 and self.model.keep > 0:
+            # MASK-3's one-query window ignores keep (test_caches_rotating.py,
+            # test_one_query_window_with_keep): only a window that hides nothing here.
+            window = max(window, self.model.max_size or 0)
         k, v = self._kv(seed, length)
         masks = self.ref.make_mask(length, window), self.got.make_mask(length, window)
         (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
@@ -472,9 +479,9 @@ class CacheMachine(RuleBasedStateMachine):
     # -- what a kind may do --------------------------------------------------------------
 
     def _fetch_exact(self) -> bool:
-        """Storage whose fetch is bit-exact: positions as given (CACHE-3) or TurboQuant's
-        float32 decode (TQC-2); affine fetches are not (QKV-2)."""
-        return "affine" not in self.ref.signature()
+        """Storage whose fetch is bit-exact: positions as given (CACHE-3), TurboQuant's
+        float32 decode (TQC-2), and affine decode where the backend says so (QKV-2)."""
+        return "affine" not in self.ref.signature() or self.backend.exact_affine_decode
 
     def _positionwise_commit(self) -> bool:
         """READ-4: a bf16-first ring commits a span one decode at a time."""

@@ -177,6 +177,8 @@ class CacheModel:
     #: Rows of growable fields (CACHE-3): whole steps of 256, cut to the offset first when
     #: it is off a step; a restore or a conversion leaves exactly the offset (CACHE-8).
     capacity: int = 0
+    #: fields() and window() of the positions held now (cleared by every change).
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def signature(self) -> str:
         """CACHE-7."""
@@ -192,6 +194,7 @@ class CacheModel:
 
     def trim(self, n: int) -> int:
         trimmed = min(n, self.offset)
+        self._memo.clear()
         self.offset -= trimmed
         del self.held[len(self.held) - trimmed :]
         return trimmed
@@ -199,6 +202,7 @@ class CacheModel:
     def append(self, k: np.ndarray, v: np.ndarray) -> ExpectedRead:
         """Append L positions; the causal (windowed, on a ring) read of them."""
         L = k.shape[2]
+        self._memo.clear()
         if not self.stored or self.offset + L > self.capacity:
             kept = self.capacity if self.offset % 256 == 0 else self.offset
             self.capacity = kept + -(-L // 256) * 256
@@ -214,11 +218,18 @@ class CacheModel:
 
     def fields(self) -> Fields:
         """The held positions' stored fields, [B, H, len(held), *] each."""
-        return tuple(np.concatenate(slot, axis=2) for slot in zip(*self.held, strict=True))
+        if "fields" not in self._memo:
+            slots = zip(*self.held, strict=True)
+            self._memo["fields"] = tuple(np.concatenate(slot, axis=2) for slot in slots)
+        return self._memo["fields"]
 
     def window(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The held positions decoded, in temporal order; None when nothing is held."""
-        return self.codec.decode(self.fields()) if self.held else None
+        if not self.held:
+            return None
+        if "window" not in self._memo:
+            self._memo["window"] = self.codec.decode(self.fields())
+        return self._memo["window"]
 
     def is_empty(self) -> bool:
         """Whether the cache stores no fields at all (CACHE-8)."""

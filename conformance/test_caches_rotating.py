@@ -4,6 +4,8 @@ and the quantized ring equal to quantizing the bf16 ring."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -80,3 +82,22 @@ def test_quantized_ring_equals_quantized_bf16_ring(ops, seed, max_size, keep, bi
         )
         for slot, field in enumerate(ring.state().arrays):
             assert_same_bits(field[:, :, :live], expected[slot], f"step {step} slot {slot}")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="MASK-3 (mlx-lm's rule) rolls the one-query window as if the write landed at "
+    "slot 0 and through the keep slots; with keep > 0 it shows the kept position instead "
+    "of the one just written",
+)
+def test_one_query_window_with_keep(backend) -> None:
+    """MASK-3: a one-query read under a window of 1 sees the position it appends."""
+    caches = backend.module("caches")
+    ring = caches.RotatingKVCache(2, keep=1)
+    for step, length in enumerate([3, 1]):
+        k, v = random_kv(step, (1, 1, length, 32), 32, BFLOAT16)
+        mask = ring.make_mask(length, 1)
+        keys, _ = ring.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    visible = backend.to_numpy(mask) if mask is not None else np.ones(2, bool)
+    newest = backend.to_numpy(keys)[:, :, visible]
+    assert_same_bits(newest, k, "the key a one-query window of 1 sees")
