@@ -244,7 +244,8 @@ CATALOGUE = (
         "accelerated/affine.py",
         "    return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)\n",
         "    wide = scales.astype(mx.float32), biases.astype(mx.float32)\n"
-        "    return mx.dequantize(wq, *wide, group_size=group_size, bits=bits).astype(scales.dtype)\n",
+        "    read = mx.dequantize(wq, *wide, group_size=group_size, bits=bits)\n"
+        "    return read.astype(scales.dtype)\n",
         "the MLX affine decode rounds once, not after the product and the sum (AFF-6, QKV-2)",
         (f"{KV}::test_quantized_kv_cache_machine",),
     ),
