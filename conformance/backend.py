@@ -30,6 +30,8 @@ class Backend:
         attention on float32 operands (READ-1): 2^-24 for IEEE float32.
     exact_affine_decode: whether affine fetches decode bit for bit as the reference's
         (QKV-2: on MLX's CPU stream; elsewhere only within AFF-6's bound).
+    rounded_attention: whether the backend's attention rounds as MLX's CPU attention
+        does (bounds.rounded_attention_interval), which the suite then also checks.
     """
 
     name: str
@@ -38,6 +40,7 @@ class Backend:
     from_numpy: Callable[[np.ndarray], Any]
     attention_roundoff: float = 2.0**-24
     exact_affine_decode: bool = False
+    rounded_attention: bool = False
 
     def module(self, name: str) -> ModuleType:
         """The backend's twin of `kvspec.reference.<name>`."""
@@ -62,13 +65,15 @@ def accelerated_backend() -> Backend:
     from kvspec.accelerated.caches.attention import attention_roundoff
     from kvspec.accelerated.dtypes import from_numpy, to_numpy
 
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
     return Backend(
         name="accelerated",
         package="kvspec.accelerated",
         to_numpy=to_numpy,
         from_numpy=from_numpy,
         attention_roundoff=attention_roundoff(),
-        exact_affine_decode=mx.default_device().type == mx.DeviceType.cpu,
+        exact_affine_decode=on_cpu,
+        rounded_attention=on_cpu,
     )
 
 

@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.cache_machine import random_kv, ring_operations, run_machine
+from kvspec.conformance.cache_machine import (
+    random_kv,
+    ring_operations,
+    ring_sizes,
+    run_machine,
+)
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import affine
 from kvspec.reference import caches as reference
@@ -18,17 +23,17 @@ from kvspec.reference.dtypes import BFLOAT16
 
 @st.composite
 def rotating_kinds(draw: st.DrawFn):
-    max_size = draw(st.integers(1, 8))
+    max_size = draw(ring_sizes)
     keep = draw(st.integers(0, max_size - 1))
     return (lambda m: m.RotatingKVCache(max_size, keep), draw(st.sampled_from([32, 64])), None)
 
 
 @st.composite
 def rotating_quantized_kinds(draw: st.DrawFn):
-    max_size = draw(st.integers(1, 8))
+    max_size = draw(ring_sizes)
     keep = draw(st.integers(0, max_size - 1))
     bits = draw(st.sampled_from(affine.SUPPORTED_BITS))
-    group_size = draw(st.sampled_from([32, 64]))
+    group_size = draw(st.sampled_from([32, 64, 128]))
 
     def factory(m):
         return m.RotatingQuantizedKVCache(max_size, group_size, bits, keep)

@@ -23,7 +23,7 @@ widths = st.tuples(
     st.sampled_from(turboquant.KEY_BITS),
     st.sampled_from(turboquant.VALUE_BITS),
     st.sampled_from(KERNELS),
-    st.sampled_from([64, 128]),
+    st.sampled_from(turboquant.HEAD_DIMS),
 )
 starts = st.sampled_from([0, 1, 5, 12])
 
