@@ -85,7 +85,8 @@ def attention_bound(
     (q * scale rounded, the dot product accumulated in float32 and rounded); the
     softmax weights then move by at most expm1(2e) in l1, the weights and the output are
     rounded once each and the output accumulated in float32:
-    bound = max_j |v_j| * (expm1(2e) + 4u + (T + 2) 2^-24).
+    bound = max_j |v_j| * (expm1(2e) + 4u + (T + 2) 2^-24) + tau, tau the keys' format's
+    smallest subnormal: the output's rounding below the normal range is tau/2 absolute.
     `roundoff` replaces 2^-24 for a backend whose attention multiplies and adds with less
     precision (READ-1: MLX's CUDA attention rounds float32 operands to TF32, 2^-11); the
     operands' own rounding to it adds 2 roundoff to each product.
@@ -99,7 +100,8 @@ def attention_bound(
     magnitude = (q @ np.swapaxes(k, -1, -2)).max(axis=-1)
     score_error = scale * magnitude * (2 * u + (D + 4) * roundoff)
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
-    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 4) * roundoff)
+    tau = smallest_subnormal(keys.dtype)
+    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 4) * roundoff) + tau
     return bound.reshape(B, Hq, N, 1)
 
 
