@@ -346,6 +346,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ref.offset > 0)
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
     def block(self, data, seed) -> None:
+        """READ-5: the stored window and a block that is not appended, every key visible;
+        nothing changes (the invariant after the step checks the rest)."""
         length = data.draw(st.integers(1, 4), label="length")
         k, v = self._kv(seed, length)
         before = self.ref.state()
@@ -358,6 +360,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ref.offset == 0 and not self._converted())
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), encoder=st.booleans())
     def first_window(self, data, seed, encoder) -> None:
+        """READ-6: the causal mask of MASK-1 (windowed on a ring) or the marked pairs; the
+        encoder read sees exactly the marked pairs."""
         length = data.draw(st.integers(1, self.max_length), label="length")
         k, v = self._kv(seed, length)
         rng = np.random.default_rng(seed + 2)
