@@ -2,7 +2,8 @@
 
 Each mutant of the catalogue replaces one piece of text, which must occur exactly once,
 in one file of a temporary copy of the project; the tests named for it then run on that
-copy under a hypothesis profile (ci unless --profile says otherwise). A mutant is caught
+copy under a hypothesis profile (by default "mutants": the ci profile's examples without
+shrinking, which can take minutes once a fault is found). A mutant is caught
 when a test fails, missed when all pass; a run that cannot even start (exit status other
 than 0 or 1) is reported as an error. The copy is imported through PYTHONPATH ahead of
 the editable install, and each run checks that it imports the copy.
@@ -378,7 +379,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("mutants", nargs="*", help="names from the catalogue (default: all)")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("--runs", type=int, default=1, help="runs of each mutant (default 1)")
-    parser.add_argument("--profile", default="ci", help="hypothesis profile (default ci)")
+    parser.add_argument(
+        "--profile",
+        default="mutants",
+        help="hypothesis profile (default mutants: ci's examples, no shrinking)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     args = parser.parse_args(argv)
     chosen = select(args.mutants)
