@@ -46,14 +46,23 @@ def test_affine_ties_round_half_to_even(backend, bits, group_size, dtype_name) -
     assert sum(((2 * n - float(x)) / 2) % 1 == 0.5 for x in group) >= group_size // 2
     fields = affine.quantize(w, group_size, bits)
     assert _affine_codes(fields[0], bits, group_size) == expected
-    stored = affine_fields(backend, w, group_size, bits)
-    for name, got, want in zip(("wq", "scales", "biases"), stored, fields, strict=True):
-        assert_same_bits(got, want, name)
+    _assert_every_encoder_stores(backend, w, group_size, bits)
 
 
-def affine_fields(backend, w: np.ndarray, group_size: int, bits: int) -> list[np.ndarray]:
-    fields = backend.module("affine").quantize(backend.from_numpy(w), group_size, bits)
-    return [backend.to_numpy(f) for f in fields]
+def _encoders(backend) -> list[dict[str, str]]:
+    """Options naming each encoder the backend has (AFF-9), or none for a backend of one."""
+    available = getattr(backend.module("affine"), "available_encoders", None)
+    return [{"encoder": name} for name in available()] if available else [{}]
+
+
+def _assert_every_encoder_stores(backend, w: np.ndarray, group_size: int, bits: int) -> None:
+    """Every encoder of the backend stores the reference's fields of `w` (AFF-9)."""
+    expected = affine.quantize(w, group_size, bits)
+    quantize = backend.module("affine").quantize
+    for options in _encoders(backend):
+        stored = quantize(backend.from_numpy(w), group_size, bits, **options)
+        for name, got, want in zip(("wq", "scales", "biases"), stored, expected, strict=True):
+            assert_same_bits(backend.to_numpy(got), want, f"{name} {options}")
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -71,10 +80,7 @@ def test_affine_negative_zero_in_a_nonzero_group(backend, bits, dtype_name, sign
     w = rows.astype(dtype)
     fields = affine.quantize(w, 32, bits)
     assert fields[1][2, 0] == np.float32(-1e-7).astype(dtype) and fields[2][2, 0] == 0
-    for name, got, want in zip(
-        ("wq", "scales", "biases"), affine_fields(backend, w, 32, bits), fields, strict=True
-    ):
-        assert_same_bits(got, want, name)
+    _assert_every_encoder_stores(backend, w, 32, bits)
     read = backend.to_numpy(
         backend.module("affine").dequantize(*map(backend.from_numpy, fields), 32, bits)
     )

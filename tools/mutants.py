@@ -55,6 +55,7 @@ TQC = "conformance/test_caches_turboquant.py"
 AFFINE = "conformance/test_affine.py"
 TQ = "conformance/test_turboquant.py"
 EDGES = "conformance/test_edges.py"
+MASKS = "conformance/test_masks.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -188,7 +189,7 @@ CATALOGUE = (
         "(query_positions < key_positions + window_size)",
         "(query_positions <= key_positions + window_size)",
         "the causal window shows one key too many (MASK-1)",
-        (f"{RING}::test_rotating_kv_cache_machine",),
+        (f"{RING}::test_rotating_kv_cache_machine", MASKS),
     ),
     Mutant(
         "mask-one-query-drops-window",
@@ -196,7 +197,7 @@ CATALOGUE = (
         "    if n == 1 and (window_size is None or offset < window_size):\n",
         "    if n == 1:\n",
         "one query on full attention ignores the window, as the seeds do (MASK-2)",
-        (f"{KV}::test_kv_cache_machine",),
+        (f"{KV}::test_kv_cache_machine", MASKS),
     ),
     Mutant(
         "ring-mask-roll",
@@ -204,7 +205,7 @@ CATALOGUE = (
         "        return np.roll(visible, index + 1)\n",
         "        return np.roll(visible, index)\n",
         "a ring's one-query window rolled one slot short (MASK-3)",
-        (f"{RING}::test_rotating_kv_cache_machine",),
+        (f"{RING}::test_rotating_kv_cache_machine", MASKS),
     ),
     # -- the codecs' reference (held by MLX's and the golden vectors) --------------------
     Mutant(
@@ -230,7 +231,7 @@ CATALOGUE = (
         "    steps = mx.round((groups - bias[..., None]) / scale[..., None])\n",
         "    steps = mx.floor((groups - bias[..., None]) / scale[..., None] + 0.5)\n",
         "the MLX affine encoder rounds half up (AFF-4)",
-        (f"{AFFINE}::test_stored_fields_equal_reference", EDGES),
+        (f"{AFFINE}::test_every_encoder_stores_reference_bits", EDGES),
     ),
     Mutant(
         "mlx-affine-constant-group",
@@ -238,7 +239,7 @@ CATALOGUE = (
         "    scale = mx.maximum(span / n_bins, EPS.item())\n",
         "    scale = mx.maximum(span / n_bins, 1e-6)\n",
         "the MLX affine encoder's smallest scale is 1e-6, not 1e-7 (AFF-3, AFF-7)",
-        (f"{AFFINE}::test_stored_fields_equal_reference", EDGES),
+        (f"{AFFINE}::test_every_encoder_stores_reference_bits", EDGES),
     ),
     Mutant(
         "mlx-affine-decode-one-rounding",
@@ -283,7 +284,7 @@ CATALOGUE = (
         "masks.rotating_make_mask(n, offset, max_size, ring_index, window_size)",
         "masks.rotating_make_mask(n, offset, max_size, ring_index + 1, window_size)",
         "the MLX ring mask takes the ring index one slot late (MASK-3)",
-        (f"{RING}::test_rotating_kv_cache_machine",),
+        (f"{RING}::test_rotating_kv_cache_machine", MASKS),
     ),
 )
 
