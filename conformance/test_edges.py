@@ -162,3 +162,24 @@ def test_turboquant_negative_zero_and_constant_key_groups(backend, bits, dtype_n
     got = backend.module("turboquant").encode(backend.from_numpy(k), backend.from_numpy(v), bits, 3)
     for name in ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales"):
         assert_same_bits(backend.to_numpy(getattr(got, name)), getattr(stored, name), name)
+
+
+@pytest.mark.parametrize("bits", turboquant.KEY_BITS)
+def test_turboquant_near_the_float16_limit(backend, bits) -> None:
+    """TQ-3, TQ-11: keys and values up to float16's largest finite value store the
+    reference's bits; a key scale beyond float16 is rejected by both."""
+    k = np.linspace(-65504, 65504, 64).astype(np.float16).reshape(1, 1, 1, 64)
+    v = k[..., ::-1].copy()
+    stored = turboquant.encode(k, v, bits, 4)
+    assert all(np.all(np.isfinite(getattr(stored, f))) for f in ("k_scales", "v_scales"))
+    got = backend.module("turboquant").encode(backend.from_numpy(k), backend.from_numpy(v), bits, 4)
+    for name in ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales"):
+        assert_same_bits(backend.to_numpy(getattr(got, name)), getattr(stored, name), name)
+    wide = np.linspace(-3e7, 3e7, 64, dtype=np.float32).reshape(1, 1, 1, 64)
+    small = np.ones_like(wide)
+    with pytest.raises(ValueError, match="float16"):
+        turboquant.encode(wide, small, bits, 4)
+    with pytest.raises(ValueError, match="float16"):
+        backend.module("turboquant").encode(
+            backend.from_numpy(wide), backend.from_numpy(small), bits, 4
+        )
