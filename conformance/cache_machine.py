@@ -173,6 +173,12 @@ def assert_read_within_bound(
         log.append((float(bound.max()) / largest, width / largest))
 
 
+def fetch_is_exact(signature: str, backend: Backend) -> bool:
+    """Storage whose fetch is bit-exact: positions as given (CACHE-3), TurboQuant's
+    float32 decode (TQC-2), and affine decode where the backend says so (QKV-2)."""
+    return "affine" not in signature or backend.exact_affine_decode
+
+
 def assert_matches_model(model: Model, cache: Any, to_numpy: Callable, fetch: bool) -> None:
     """The cache's signature, offset, trimmability, live stored fields and (with `fetch`)
     its fetch equal the model's (CACHE-3 .. B16F-6); a ring's rows are compared in
@@ -531,9 +537,7 @@ class CacheMachine(RuleBasedStateMachine):
     # -- what a kind may do --------------------------------------------------------------
 
     def _fetch_exact(self) -> bool:
-        """Storage whose fetch is bit-exact: positions as given (CACHE-3), TurboQuant's
-        float32 decode (TQC-2), and affine decode where the backend says so (QKV-2)."""
-        return "affine" not in self.ref.signature() or self.backend.exact_affine_decode
+        return fetch_is_exact(self.ref.signature(), self.backend)
 
     def _positionwise_commit(self) -> bool:
         """READ-4: a bf16-first ring commits a span one decode at a time."""

@@ -133,7 +133,7 @@ CATALOGUE = (
         "STEP = 256\n",
         "STEP = 128\n",
         "growable storage grows in steps of 128 rows (CACHE-3)",
-        (f"{KV}::test_kv_cache_machine",),
+        (f"{KV}::test_kv_cache_machine", f"{TQC}::test_growth_and_trim_follow_kv_cache"),
     ),
     Mutant(
         "growth-keeps-rows-past-offset",
@@ -141,7 +141,7 @@ CATALOGUE = (
         "        if prev % STEP != 0:\n",
         "        if False:\n",
         "growth off a step boundary keeps the rows past the offset (CACHE-3)",
-        (f"{KV}::test_kv_cache_machine",),
+        (f"{KV}::test_kv_cache_machine", f"{TQC}::test_growth_and_trim_follow_kv_cache"),
     ),
     Mutant(
         "restore-offset-unchecked",
