@@ -184,6 +184,14 @@ CATALOGUE = (
         (f"{BF16}::test_bf16_first_quantized_machine",),
     ),
     Mutant(
+        "bf16-first-ring-commits-at-once",
+        "reference/caches/bf16_first.py",
+        "        self.check_append(k, v)\n        reads = [",
+        "        return self.storage.append_committed(k, v)\n        reads = [",
+        "a bf16-first ring commits a span as one window read, not decode by decode (READ-4)",
+        (f"{BF16}::test_bf16_first_rotating_quantized_machine",),
+    ),
+    Mutant(
         "mask-window-off-by-one",
         "reference/caches/masks.py",
         "(query_positions < key_positions + window_size)",
@@ -224,6 +232,22 @@ CATALOGUE = (
         "TurboQuant key codes round half away from zero (TQ-4, CONV-2)",
         (EDGES,),
     ),
+    Mutant(
+        "turboquant-value-boundary-tie",
+        "reference/turboquant.py",
+        "    below = boundaries(bits) < u[..., None]\n",
+        "    below = boundaries(bits) <= u[..., None]\n",
+        "a value on a codebook boundary takes the upper index (TQ-7: ties go down)",
+        (EDGES,),
+    ),
+    Mutant(
+        "turboquant-constant-key-group",
+        "reference/turboquant.py",
+        "    scale = np.where(constant, np.abs(top), scale)\n",
+        "",
+        "a constant key group keeps TQ-4's scale 0 instead of its magnitude (TQ-11)",
+        (EDGES,),
+    ),
     # -- the MLX backend ------------------------------------------------------------------
     Mutant(
         "mlx-affine-round-half-away",
@@ -258,6 +282,14 @@ CATALOGUE = (
         "    quotient = x / step[..., None] - zero[..., None]\n"
         "    codes = mx.sign(quotient) * mx.floor(mx.abs(quotient) + 0.5)\n",
         "the MLX TurboQuant key codes round half away from zero (TQ-4)",
+        (EDGES,),
+    ),
+    Mutant(
+        "mlx-turboquant-value-boundary-tie",
+        "accelerated/turboquant.py",
+        "        below = mx.take(table, candidate - 1) < u\n",
+        "        below = mx.take(table, candidate - 1) <= u\n",
+        "the MLX value encoder puts a value on a boundary above it (TQ-7)",
         (EDGES,),
     ),
     Mutant(
