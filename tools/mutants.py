@@ -56,6 +56,7 @@ AFFINE = "conformance/test_affine.py"
 TQ = "conformance/test_turboquant.py"
 EDGES = "conformance/test_edges.py"
 MASKS = "conformance/test_masks.py"
+CONVERSIONS = "conformance/test_conversions.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -99,7 +100,7 @@ CATALOGUE = (
         "        target._index = self._index\n",
         "        target._index = self.length\n",
         "to_quantized moves the ring index to the buffer's end (CACHE-9, QRING-2)",
-        (f"{RING}::test_rotating_kv_cache_machine",),
+        (CONVERSIONS, f"{RING}::test_rotating_kv_cache_machine"),
     ),
     Mutant(
         "ring-restore-index-unchecked",
@@ -157,7 +158,7 @@ CATALOGUE = (
         "        window = cache.keys_and_values()\n",
         "        window = None if cache._fields is None else cache._decode(cache._fields)\n",
         "from_kv_cache encodes the unused capacity rows too (TQC-3)",
-        (f"{TQC}::test_turboquant_kv_cache_machine", f"{KV}::test_kv_cache_machine"),
+        (CONVERSIONS, f"{TQC}::test_turboquant_kv_cache_machine"),
     ),
     Mutant(
         "turboquant-rejects-format-mixing",
