@@ -174,7 +174,7 @@ CATALOGUE = (
         "    return offset >= start and offset != 0\n",
         "    return offset > start and offset != 0\n",
         "the switch waits one position past start (B16F-1)",
-        (f"{BF16}::test_bf16_first_quantized_machine",),
+        (f"{BF16}::test_transition_due", f"{BF16}::test_bf16_first_quantized_machine"),
     ),
     Mutant(
         "bf16-first-reuse-floor",
@@ -274,7 +274,7 @@ CATALOGUE = (
         "    read = mx.dequantize(wq, *wide, group_size=group_size, bits=bits)\n"
         "    return read.astype(scales.dtype)\n",
         "the MLX affine decode rounds once, not after the product and the sum (AFF-6, QKV-2)",
-        (f"{KV}::test_quantized_kv_cache_machine",),
+        (EDGES, f"{KV}::test_quantized_kv_cache_machine"),
     ),
     Mutant(
         "mlx-turboquant-key-round-half-away",
