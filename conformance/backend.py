@@ -28,6 +28,10 @@ class Backend:
     from_numpy: a NumPy array to a backend array holding the same bits.
     attention_roundoff: the unit roundoff of the products and sums of the backend's
         attention on float32 operands (READ-1): 2^-24 for IEEE float32.
+    exact_affine_decode: whether affine fetches decode bit for bit as the reference's
+        (QKV-2: on MLX's CPU stream; elsewhere only within AFF-6's bound).
+    rounded_attention: whether the backend's attention rounds as MLX's CPU attention
+        does (bounds.rounded_attention_interval), which the suite then also checks.
     """
 
     name: str
@@ -35,6 +39,8 @@ class Backend:
     to_numpy: Callable[[Any], np.ndarray]
     from_numpy: Callable[[np.ndarray], Any]
     attention_roundoff: float = 2.0**-24
+    exact_affine_decode: bool = False
+    rounded_attention: bool = False
 
     def module(self, name: str) -> ModuleType:
         """The backend's twin of `kvspec.reference.<name>`."""
@@ -48,20 +54,26 @@ def reference_backend() -> Backend:
         package="kvspec.reference",
         to_numpy=np.asarray,
         from_numpy=np.array,
+        exact_affine_decode=True,
     )
 
 
 def accelerated_backend() -> Backend:
     """The MLX backend, on MLX's default device."""
+    import mlx.core as mx
+
     from kvspec.accelerated.caches.attention import attention_roundoff
     from kvspec.accelerated.dtypes import from_numpy, to_numpy
 
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
     return Backend(
         name="accelerated",
         package="kvspec.accelerated",
         to_numpy=to_numpy,
         from_numpy=from_numpy,
         attention_roundoff=attention_roundoff(),
+        exact_affine_decode=on_cpu,
+        rounded_attention=on_cpu,
     )
 
 

@@ -85,7 +85,8 @@ def attention_bound(
     (q * scale rounded, the dot product accumulated in float32 and rounded); the
     softmax weights then move by at most expm1(2e) in l1, the weights and the output are
     rounded once each and the output accumulated in float32:
-    bound = max_j |v_j| * (expm1(2e) + 4u + (T + 2) 2^-24).
+    bound = max_j |v_j| * (expm1(2e) + 4u + (T + 2) 2^-24) + tau, tau the keys' format's
+    smallest subnormal: the output's rounding below the normal range is tau/2 absolute.
     `roundoff` replaces 2^-24 for a backend whose attention multiplies and adds with less
     precision (READ-1: MLX's CUDA attention rounds float32 operands to TF32, 2^-11); the
     operands' own rounding to it adds 2 roundoff to each product.
@@ -99,7 +100,8 @@ def attention_bound(
     magnitude = (q @ np.swapaxes(k, -1, -2)).max(axis=-1)
     score_error = scale * magnitude * (2 * u + (D + 4) * roundoff)
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
-    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 4) * roundoff)
+    tau = smallest_subnormal(keys.dtype)
+    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 4) * roundoff) + tau
     return bound.reshape(B, Hq, N, 1)
 
 
@@ -142,3 +144,74 @@ def read_bound(
     if isinstance(read, DeferredRead):
         return deferred_attention_bound(queries, read.keys, read.rotated_values, scale, roundoff)
     return attention_bound(queries, read.keys, read.values, scale, roundoff)
+
+
+#: The smallest normal float32: MLX's CPU attention may flush results below it to zero.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _in_format(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x rounded to `dtype` (through float32: both roundings are monotone), as float64."""
+    return np.asarray(x, np.float64).astype(np.float32).astype(dtype).astype(np.float64)
+
+
+def _low_end(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The low end of an interval rounded to `dtype`; 0 where a flush to zero may lower it."""
+    rounded = _in_format(x, dtype)
+    return np.where(np.abs(rounded) < FLOAT32_TINY, np.minimum(rounded, 0.0), rounded)
+
+
+def _high_end(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The high end of an interval rounded to `dtype`; 0 where a flush to zero may raise it."""
+    rounded = _in_format(x, dtype)
+    return np.where(np.abs(rounded) < FLOAT32_TINY, np.maximum(rounded, 0.0), rounded)
+
+
+def rounded_attention_interval(
+    queries: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    scale: float,
+    visible: np.ndarray,
+    roundoff: float = FLOAT32_ROUNDOFF,
+) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi] per output [B, Hq, N, Dv] of an attention that rounds as MLX's
+    `scaled_dot_product_attention` on the CPU does (READ-1), float64.
+
+    With T the keys' format: the scale and q * scale are rounded to T; each score is
+    accumulated in float32 (within (D + 2) r sum_d |q_d k_d| of the exact dot product) and
+    rounded to T; the softmax runs in float32 and its weights are rounded to T; the output
+    is accumulated in float32 and rounded to T. Rounding is monotone, so each stage maps an
+    interval to an interval: scores to [T(x - e), T(x + e)]; weight j is smallest with its
+    own score low and the others high (and the reverse), widened by the float32 softmax's
+    (T + 8) r + 2 r (max - s_j); the output by (T + 2) r sum_j w_j |v_j|. Results below the
+    smallest normal float32 may be flushed to zero, so those ends reach 0. Not a bound for
+    any attention: one for a backend that declares this rounding (Backend.rounded_attention).
+    """
+    dtype = keys.dtype
+    B, Hq, N, D = queries.shape
+    _, Hk, T, _ = keys.shape
+    group = Hq // Hk
+    q = queries.astype(np.float64).reshape(B, Hk, group, N, D)
+    k = np.swapaxes(keys.astype(np.float64), -1, -2)[:, :, None]
+    v = values.astype(np.float64)[:, :, None]
+    scaled = _in_format(_in_format(np.float64(scale), dtype) * q, dtype)
+    dots = scaled @ k
+    slack = (D + 2) * roundoff * (np.abs(scaled) @ np.abs(k)) + D * FLOAT32_TINY
+    low = np.where(visible, _low_end(dots - slack, dtype), -np.inf)
+    high = np.where(visible, _high_end(dots + slack, dtype), -np.inf)
+    top = high.max(axis=-1, keepdims=True)
+    e_low, e_high = np.exp(low - top), np.exp(high - top)
+    sum_low, sum_high = e_low.sum(-1, keepdims=True), e_high.sum(-1, keepdims=True)
+    w_low = e_low / (sum_high - e_high + e_low)
+    w_high = e_high / (sum_low - e_low + e_high)
+    with np.errstate(invalid="ignore"):  # masked keys: inf * 0, replaced just below
+        softmax_slack = np.where(visible, (T + 8) * roundoff + 2 * roundoff * (top - low), 0.0)
+    w_low = _low_end(w_low * (1 - softmax_slack), dtype)
+    w_high = _high_end(np.minimum(w_high * (1 + softmax_slack), 1.0), dtype)
+    positive, negative = np.maximum(v, 0.0), np.minimum(v, 0.0)
+    accumulation = (T + 2) * (roundoff * (w_high @ np.abs(v)) + FLOAT32_TINY)
+    lo = _low_end(w_low @ positive + w_high @ negative - accumulation, dtype)
+    hi = _high_end(w_high @ positive + w_low @ negative + accumulation, dtype)
+    Dv = values.shape[-1]
+    return lo.reshape(B, Hq, N, Dv), hi.reshape(B, Hq, N, Dv)

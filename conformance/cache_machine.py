@@ -1,10 +1,14 @@
 """A hypothesis state machine that drives a reference cache and a backend cache with the
 same operations and compares them after every step (spec CACHE-1 .. B16F-6).
 
-The reference cache is the model. After each step: same signature, offset and ring
-index, stored fields bit for bit (CACHE-8), and each cache's `check_invariants()`. Each
-read attends with the same random queries on both sides; outputs agree within READ-1's
-bound. Bad input must raise ValueError on both sides and leave both exactly as they were
+Beside them runs an independent model of the kind (`oracles.py`): positions as a plain
+list, sharing no code with the state machines both backends run. After each step: the
+backend's signature, offset and ring index equal the reference's, stored fields bit for
+bit (CACHE-8), each cache's `check_invariants()`; and the reference's signature, offset,
+trimmability, fetch and live stored fields equal the model's. Each read attends with the
+same random queries: the reference's output equals the model's attention over the
+model's positions and mask, the backend's is within READ-1's bound of the reference's.
+Bad input must raise ValueError on both sides and leave both exactly as they were
 (CACHE-2). A failure prints the operations as a runnable program.
 """
 
@@ -29,10 +33,23 @@ from hypothesis.stateful import (
 )
 
 from kvspec.conformance.backend import Backend
-from kvspec.conformance.bounds import read_bound
+from kvspec.conformance.bounds import read_bound, rounded_attention_interval
 from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.oracles import (
+    AffineCodec,
+    Bf16FirstModel,
+    ExpectedRead,
+    Model,
+    TurboQuantCodec,
+    causal,
+    model_of,
+    temporal,
+    visible_matrix,
+)
+from kvspec.conformance.strategies import GROUP_KINDS, edge_group
 from kvspec.reference import caches as reference
 from kvspec.reference import turboquant
+from kvspec.reference.caches.masks import mask_matrix
 from kvspec.reference.caches.reads import DenseRead, PositionwiseRead
 from kvspec.reference.caches.turboquant import KERNELS, DeferredRead
 from kvspec.reference.dtypes import FLOAT_DTYPES
@@ -55,6 +72,31 @@ def random_kv(
     return k, v
 
 
+#: Contents of an append other than Gaussian: one kind per group of 32 (strategies.py);
+#: "large" is left out (its scales are beyond what float16 layouts and TurboQuant hold).
+EDGE_CONTENTS = tuple(kind for kind in GROUP_KINDS if kind not in ("normal", "large"))
+
+
+def cache_contents(
+    seed: int, shape: tuple[int, int, int, int], v_dim: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """k, v for a cache: mostly `random_kv`; one append in four made of edge groups
+    (constants, zeros, -0 beside nonzero values, subnormals, exact ties, ...)."""
+    rng = np.random.default_rng(seed)
+    if rng.random() < 0.75:
+        return random_kv(seed, shape, v_dim, dtype)
+    B, H, L, D = shape
+
+    def edges(width: int) -> np.ndarray:
+        groups = [
+            edge_group(str(rng.choice(EDGE_CONTENTS)), 32, dtype, rng)
+            for _ in range(B * H * L * width // 32)
+        ]
+        return np.concatenate(groups).reshape(B, H, L, width).astype(dtype)
+
+    return edges(D), edges(v_dim)
+
+
 def assert_same_state(expected: Any, actual: Any, backend: Backend) -> None:
     """Signature, offset, ring index and stored fields bit for bit (CACHE-8)."""
     want, got = expected.state(), actual.state()
@@ -66,13 +108,21 @@ def assert_same_state(expected: Any, actual: Any, backend: Backend) -> None:
         assert_same_bits(backend.to_numpy(a), e, f"{want.signature} slot {slot}")
 
 
+#: Per read: the READ-1 bound and the rounded-attention interval's width, each over the
+#: largest output magnitude (the interval's NaN where the backend declares no rounding).
+ReadLog = list[tuple[float, float]]
+
+
 def assert_read_within_bound(
     expected: DenseRead | DeferredRead | PositionwiseRead,
     actual: Any,
     queries: np.ndarray,
     backend: Backend,
+    log: ReadLog | None = None,
 ) -> None:
-    """READ-1, TQC-4: the backend's attention within the bound of the reference's."""
+    """READ-1, TQC-4: the backend's attention within the bound of the reference's; where
+    the backend rounds as MLX's CPU attention, also inside `rounded_attention_interval` of
+    each dense read (a bound of about 1/100 of the output rather than READ-1's worst case)."""
     scale = float(queries.shape[-1]) ** -0.5
     want = expected.attend(queries, scale).astype(np.float64)
     got = backend.to_numpy(actual.attend(backend.from_numpy(queries), scale)).astype(np.float64)
@@ -89,7 +139,117 @@ def assert_read_within_bound(
     ]
     bound = np.concatenate(bounds, axis=2)
     error = np.abs(got - want)
-    assert np.all(error <= bound), f"attention error {error.max()} > bound {bound.min()}"
+    excess = error - np.broadcast_to(bound, error.shape)
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    assert excess[worst] <= 0, (
+        f"attention error {error[worst]} > bound {error[worst] - excess[worst]} at {worst}"
+    )
+    width = np.nan
+    if backend.rounded_attention and isinstance(reads[0], DenseRead):
+        lo, hi = zip(
+            *(
+                rounded_attention_interval(
+                    queries[:, :, i : i + 1] if len(reads) > 1 else queries,
+                    r.keys,
+                    r.values,
+                    scale,
+                    mask_matrix(r.mask, 1 if len(reads) > 1 else queries.shape[2], r.keys.shape[2]),
+                    backend.attention_roundoff,
+                )
+                for i, r in enumerate(reads)
+            ),
+            strict=True,
+        )
+        low, high = np.concatenate(lo, axis=2), np.concatenate(hi, axis=2)
+        outside = (got < low) | (got > high)
+        assert not outside.any(), (
+            f"attention output outside the rounded-attention interval at "
+            f"{np.argwhere(outside)[0]}: {got[outside][0]} not in "
+            f"[{low[outside][0]}, {high[outside][0]}]"
+        )
+        width = float((high - low).max())
+    if log is not None:
+        largest = max(float(np.abs(want).max()), np.finfo(np.float64).tiny)
+        log.append((float(bound.max()) / largest, width / largest))
+
+
+def fetch_is_exact(signature: str, backend: Backend) -> bool:
+    """Storage whose fetch is bit-exact: positions as given (CACHE-3), TurboQuant's
+    float32 decode (TQC-2), and affine decode where the backend says so (QKV-2)."""
+    return "affine" not in signature or backend.exact_affine_decode
+
+
+def assert_matches_model(model: Model, cache: Any, to_numpy: Callable, fetch: bool) -> None:
+    """The cache's signature, offset, trimmability, live stored fields and (with `fetch`)
+    its fetch equal the model's (CACHE-3 .. B16F-6); a ring's rows are compared in
+    temporal order (RING-4)."""
+    assert cache.signature() == model.signature()
+    assert cache.offset == model.offset
+    assert cache.minimum_reusable_offset == model.minimum_reusable_offset
+    assert cache.is_trimmable() == model.is_trimmable()
+    if model.max_size is None:
+        storage = getattr(cache, "storage", cache)  # a bf16-first cache's held storage
+        assert storage.capacity == model.capacity, "capacity (CACHE-3)"
+    arrays = cache.state().arrays
+    window = cache.keys_and_values() if fetch else None
+    if model.is_empty():
+        assert window is None and arrays == ()
+        return
+    live = len(model.held)
+    assert arrays and (window is not None or not fetch)
+    if live == 0:
+        assert window is None or to_numpy(window[0]).shape[2] == 0, "a fetch holds trimmed rows"
+        return
+
+    def ordered(rows: Any) -> np.ndarray:
+        rows = to_numpy(rows)
+        assert rows.shape[2] >= live, f"{rows.shape[2]} rows hold {live} positions"
+        rows = rows[:, :, :live]
+        if model.max_size is None:
+            return rows
+        return temporal(rows, cache.ring_index, model.keep)
+
+    for name, rows, want in zip(("keys", "values"), window or (), model.window(), strict=False):
+        assert to_numpy(rows).shape[2] == live, f"fetch holds {to_numpy(rows).shape[2]}"
+        assert_same_bits(ordered(rows), want, f"{model.signature()} fetched {name}")
+    fields = model.fields()
+    assert len(arrays) == len(fields)
+    for slot, (rows, want) in enumerate(zip(arrays, fields, strict=True)):
+        assert_same_bits(ordered(rows), want, f"{model.signature()} slot {slot}")
+
+
+def assert_read_matches_model(
+    expected: ExpectedRead | list[ExpectedRead], read: Any, queries: np.ndarray
+) -> None:
+    """The reference's read equals the model's attention (READ-1 .. READ-6, MASK-1 ..
+    MASK-3) within its float32 rounding (and TQC-4's dense-deferred tolerance)."""
+    scale = float(queries.shape[-1]) ** -0.5
+    reads = expected if isinstance(expected, list) else [expected]
+    per_query = len(reads) > 1
+    for i, model_read in enumerate(reads):
+        q = queries[:, :, i : i + 1] if per_query else queries
+        want = model_read.attend(q, scale)
+        got = read.attend(queries, scale).astype(np.float64)
+        got = got[:, :, i : i + 1] if per_query else got
+        error = np.abs(got - want).max()
+        assert error <= model_read.tolerance(), (
+            f"read {i}: the reference is {error} from the model, tolerance {model_read.tolerance()}"
+        )
+
+
+class RecordedInputs:
+    """Converts arrays for one cache, keeping a copy of each original beside what the
+    cache received."""
+
+    def __init__(self, convert: Callable[[np.ndarray], Any]) -> None:
+        self.convert = convert
+        self.originals: list[np.ndarray] = []
+        self.received: list[Any] = []
+
+    def __call__(self, array: np.ndarray) -> Any:
+        self.originals.append(np.array(array))
+        self.received.append(self.convert(array))
+        return self.received[-1]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -100,6 +260,8 @@ class CacheMachine(RuleBasedStateMachine):
     kinds: ClassVar[st.SearchStrategy[tuple[Factory, int, int | None]]]
     #: The longest append.
     max_length: ClassVar[int] = 9
+    #: Where reads record their bounds, if anywhere (test_read_bounds.py).
+    read_log: ClassVar[ReadLog | None] = None
 
     @initialize(
         data=st.data(),
@@ -118,16 +280,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.head_dim = head_dim
         self.group_size = group_size
         self.ref = factory(reference)
+        self.model = model_of(self.ref)
         fixed = getattr(self.ref, "head_dim", None) is not None
         self.v_dim = head_dim if same_v_dim or group_size is None or fixed else head_dim * 2
         self.got = factory(self.backend.module("caches"))
+        self.long_appended = False
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _kv(self, seed: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        return random_kv(
-            seed, (self.batch, self.kv_heads, length, self.head_dim), self.v_dim, self.dtype
-        )
+    def _kv(
+        self, seed: int, length: int, dtype: np.dtype | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        shape = (self.batch, self.kv_heads, length, self.head_dim)
+        return cache_contents(seed, shape, self.v_dim, dtype or self.dtype)
 
     def _queries(self, seed: int, length: int) -> np.ndarray:
         rng = np.random.default_rng(seed + 1)
@@ -135,9 +300,20 @@ class CacheMachine(RuleBasedStateMachine):
         return rng.standard_normal(shape).astype(self.dtype)
 
     def _both(self, method: str, *arrays: np.ndarray) -> tuple[Any, Any]:
-        expected = getattr(self.ref, method)(*arrays)
-        actual = getattr(self.got, method)(*(self.backend.from_numpy(a) for a in arrays))
+        """The same call on both caches, each given arrays of its own; what each received
+        must be unchanged after the call (CONV-5)."""
+        given = [np.array(a) for a in arrays]
+        expected = getattr(self.ref, method)(*given)
+        received = [self.backend.from_numpy(a) for a in arrays]
+        actual = getattr(self.got, method)(*received)
+        self._assert_inputs_unchanged(arrays, given, np.asarray)
+        self._assert_inputs_unchanged(arrays, received, self.backend.to_numpy)
         return expected, actual
+
+    @staticmethod
+    def _assert_inputs_unchanged(originals: Any, received: Any, to_numpy: Callable) -> None:
+        for original, array in zip(originals, received, strict=True):
+            assert_same_bits(to_numpy(array), np.asarray(original), "an input after the call")
 
     # -- rules ---------------------------------------------------------------------------
 
@@ -147,6 +323,7 @@ class CacheMachine(RuleBasedStateMachine):
         k, v = self._kv(seed, length)
         if read == "fetch":
             (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
+            self.model.append(k, v)
             assert tuple(ak.shape) == ek.shape and tuple(av.shape) == ev.shape
             if self._fetch_exact():
                 assert_same_bits(self.backend.to_numpy(ak), ek, "fetched keys")
@@ -154,27 +331,43 @@ class CacheMachine(RuleBasedStateMachine):
             return
         method = "append_window" if read == "window" else "append_committed"
         expected, actual = self._both(method, k, v)
-        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+        if read == "committed" and self._positionwise_commit():
+            model_read: ExpectedRead | list[ExpectedRead] = [
+                self.model.append(k[:, :, i : i + 1], v[:, :, i : i + 1]) for i in range(length)
+            ]
+        else:
+            model_read = self.model.append(k, v)
+        queries = self._queries(seed, length)
+        assert_read_matches_model(model_read, expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend, self.read_log)
 
     @rule(seed=st.integers(0, 2**32 - 1))
     def decode(self, seed) -> None:
         k, v = self._kv(seed, 1)
         expected, actual = self._both("append_decode", k, v)
-        assert_read_within_bound(expected, actual, self._queries(seed, 1), self.backend)
+        queries = self._queries(seed, 1)
+        assert_read_matches_model(self.model.append(k, v), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend, self.read_log)
 
     @precondition(lambda self: self.ref.offset > 0)
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
     def block(self, data, seed) -> None:
+        """READ-5: the stored window and a block that is not appended, every key visible;
+        nothing changes (the invariant after the step checks the rest)."""
         length = data.draw(st.integers(1, 4), label="length")
         k, v = self._kv(seed, length)
         before = self.ref.state()
         expected, actual = self._both("read_block", k, v)
-        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+        queries = self._queries(seed, length)
+        assert_read_matches_model(self.model.block(k, v), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend, self.read_log)
         assert self.ref.state().offset == before.offset
 
     @precondition(lambda self: self.ref.offset == 0 and not self._converted())
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), encoder=st.booleans())
     def first_window(self, data, seed, encoder) -> None:
+        """READ-6: the causal mask of MASK-1 (windowed on a ring) or the marked pairs; the
+        encoder read sees exactly the marked pairs."""
         length = data.draw(st.integers(1, self.max_length), label="length")
         k, v = self._kv(seed, length)
         rng = np.random.default_rng(seed + 2)
@@ -182,13 +375,17 @@ class CacheMachine(RuleBasedStateMachine):
         np.fill_diagonal(bidirectional, True)
         method = "append_encoder_window" if encoder else "append_bidirectional"
         expected, actual = self._both(method, k, v, bidirectional)
-        assert_read_within_bound(expected, actual, self._queries(seed, length), self.backend)
+        model_read = self.model.append(k, v)
+        visible = bidirectional if encoder else model_read.visible | bidirectional
+        queries = self._queries(seed, length)
+        assert_read_matches_model(replace(model_read, visible=visible), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend, self.read_log)
 
     @rule(n=st.integers(0, 12))
     def trim(self, n) -> None:
         if self.ref.is_trimmable():
             assert self.got.is_trimmable()
-            assert self.got.trim(n) == self.ref.trim(n)
+            assert self.got.trim(n) == self.ref.trim(n) == self.model.trim(n)
             return
         assert not self.got.is_trimmable()
         self._expect_rejected(lambda cache, _: cache.trim(n))
@@ -203,6 +400,94 @@ class CacheMachine(RuleBasedStateMachine):
         self.got = self.factory(self.backend.module("caches"))
         arrays = tuple(self.backend.from_numpy(a) for a in state.arrays)
         self.got.restore_state(replace(state, arrays=arrays))
+        self.model.restored()
+
+    @rule(bad=st.sampled_from(["signature", "offset", "ring_index", "slots"]))
+    def restore_rejected(self, bad) -> None:
+        """CACHE-8, RING-6, TQC-5, B16F-6: a state of another kind or with inconsistent
+        arrays is rejected and changes nothing."""
+        state = self.ref.state()
+        if bad == "signature":
+            state = replace(state, signature=state.signature + ":other")
+        elif bad == "offset":
+            if self.ref.ring_index is not None and state.arrays:
+                return  # a ring's offset may exceed its rows (RING-1)
+            state = replace(state, offset=state.offset + 1)
+        elif bad == "ring_index":
+            if self.ref.ring_index is None:
+                return
+            rows = state.arrays[0].shape[2] if state.arrays else 0
+            state = replace(state, ring_index=rows + 1)
+        elif bad == "slots":
+            if not state.arrays:
+                return
+            state = replace(state, arrays=state.arrays[:-1])
+
+        def restore(cache: Any, convert: Callable) -> None:
+            cache.restore_state(replace(state, arrays=tuple(convert(a) for a in state.arrays)))
+
+        self._expect_rejected(restore)
+
+    @precondition(lambda self: self.ref.layout is not None)
+    @rule(seed=st.integers(0, 2**32 - 1), data=st.data())
+    def format_mixing(self, seed, data) -> None:
+        """TQC-2: TurboQuant storage takes appends of any float format (the fields do not
+        record it); every other storage rejects a format other than its layout's (CACHE-2)."""
+        others = sorted(name for name, d in FLOAT_DTYPES.items() if d != self.dtype)
+        dtype = FLOAT_DTYPES[data.draw(st.sampled_from(others), label="format")]
+        k, v = self._kv(seed, data.draw(st.integers(1, 3), label="length"), dtype)
+        if "turboquant" not in self.ref.signature():
+            self._expect_rejected(
+                lambda cache, convert: cache.update_and_fetch(convert(k), convert(v))
+            )
+            return
+        self._both("update_and_fetch", k, v)
+        self.model.append(k, v)
+
+    @precondition(lambda self: not self.long_appended)
+    @rule(seed=st.integers(0, 2**32 - 1), data=st.data())
+    def long_append(self, seed, data) -> None:
+        """CACHE-3, RING-3: one append past a 256-row growth step (in about one run in
+        four: every later step costs ten times more)."""
+        self.long_appended = True
+        if data.draw(st.integers(0, 3), label="long") != 3:
+            return
+        length = data.draw(st.integers(250, 300), label="length")
+        k, v = self._kv(seed, length)
+        self._both("update_and_fetch", k, v)
+        self.model.append(k, v)
+
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), window=st.integers(1, 12))
+    def windowed_read(self, data, seed, window) -> None:
+        """MASK-2, MASK-3: `make_mask(L, window)` taken before an append, as the model
+        states it, and the read of the fetch under it."""
+        length = data.draw(st.integers(1, 4), label="length")
+        if length == 1 and self.model.keep > 0:
+            # MASK-3's one-query window ignores keep (test_caches_rotating.py,
+            # test_one_query_window_with_keep): only a window that hides nothing here.
+            window = max(window, self.model.max_size or 0)
+        k, v = self._kv(seed, length)
+        masks = self.ref.make_mask(length, window), self.got.make_mask(length, window)
+        (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
+        model_read = self.model.append(k, v)
+        held = len(self.model.held)
+        if self.model.max_size is None or length > 1:
+            visible = causal(length, held - length, window)
+        else:
+            # One query of a ring sees the last `window` entries (MASK-3).
+            visible = (np.arange(held) >= held - window)[None, :]
+        for cache, mask in zip((self.ref, self.got), masks, strict=True):
+            matrix = visible_matrix(mask, length, held, self.backend.to_numpy)
+            if self.model.max_size is not None:
+                # Columns are ring slots: put them in temporal order as rows would be.
+                by_slot = matrix.T[None, None]
+                matrix = temporal(by_slot, cache.ring_index, self.model.keep)[0, 0].T
+            np.testing.assert_array_equal(matrix, visible, err_msg=f"{type(cache)} mask")
+        expected = DenseRead(ek, ev, masks[0])
+        actual = self.backend.module("caches.reads").DenseRead(ak, av, masks[1])
+        queries = self._queries(seed, length)
+        assert_read_matches_model(replace(model_read, visible=visible), expected, queries)
+        assert_read_within_bound(expected, actual, queries, self.backend, self.read_log)
 
     @rule(
         seed=st.integers(0, 2**32 - 1),
@@ -228,11 +513,17 @@ class CacheMachine(RuleBasedStateMachine):
         self._expect_rejected(lambda cache, convert: getattr(cache, method)(convert(k), convert(v)))
 
     def _expect_rejected(self, operation: Callable[[Any, Callable], Any]) -> None:
+        """CACHE-2, CONV-5: ValueError on both sides; each cache, and every array it was
+        given, exactly as before."""
         before_ref, before_got = self.ref.state(), self.got.state()
-        with pytest.raises(ValueError):
-            operation(self.ref, np.asarray)
-        with pytest.raises(ValueError):
-            operation(self.got, self.backend.from_numpy)
+        for cache, convert, to_numpy in (
+            (self.ref, np.array, np.asarray),
+            (self.got, self.backend.from_numpy, self.backend.to_numpy),
+        ):
+            recorded = RecordedInputs(convert)
+            with pytest.raises(ValueError):
+                operation(cache, recorded)
+            self._assert_inputs_unchanged(recorded.originals, recorded.received, to_numpy)
         for cache, before in ((self.ref, before_ref), (self.got, before_got)):
             after = cache.state()
             assert (after.signature, after.offset, after.ring_index) == (
@@ -246,9 +537,11 @@ class CacheMachine(RuleBasedStateMachine):
     # -- what a kind may do --------------------------------------------------------------
 
     def _fetch_exact(self) -> bool:
-        """Storage whose fetch is bit-exact: positions as given (CACHE-3) or TurboQuant's
-        float32 decode (TQC-2); affine fetches are not (QKV-2)."""
-        return "affine" not in self.ref.signature()
+        return fetch_is_exact(self.ref.signature(), self.backend)
+
+    def _positionwise_commit(self) -> bool:
+        """READ-4: a bf16-first ring commits a span one decode at a time."""
+        return isinstance(self.model, Bf16FirstModel) and self.model.positionwise_commit
 
     def _converted(self) -> bool:
         return isinstance(self.ref, reference.Bf16FirstCache) and self.ref.converted
@@ -270,6 +563,8 @@ class CacheMachine(RuleBasedStateMachine):
         sources = (self.ref, self.got)
         self.ref = self.ref.to_quantized(group_size, bits)
         self.got = self.got.to_quantized(group_size, bits)
+        assert not isinstance(self.model, Bf16FirstModel)
+        self.model = self.model.converted(AffineCodec(group_size, bits), "affine")
         for source in sources:
             assert source.offset == 0 and source.state().arrays == ()
             source.check_invariants()
@@ -297,6 +592,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.ref = reference.TurboQuantKVCache.from_kv_cache(self.ref, k_bits, v_bits, kernels)
         caches = self.backend.module("caches")
         self.got = caches.TurboQuantKVCache.from_kv_cache(self.got, k_bits, v_bits, kernels)
+        assert not isinstance(self.model, Bf16FirstModel)
+        codec = TurboQuantCodec(k_bits, v_bits, kernels == "deferred")
+        self.model = self.model.converted(codec, "turboquant")
         for source in sources:
             assert source.offset == 0 and source.state().arrays == ()
             source.check_invariants()
@@ -309,6 +607,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert_same_state(self.ref, self.got, self.backend)
         self.ref.check_invariants()
         self.got.check_invariants()
+        # The reference's fields equal the backend's (above), so its fetch would only
+        # repeat the backend's, which shares its steps.
+        assert_matches_model(self.model, self.ref, np.asarray, fetch=False)
+        assert_matches_model(self.model, self.got, self.backend.to_numpy, self._fetch_exact())
 
 
 def run_machine(
@@ -316,18 +618,21 @@ def run_machine(
     kinds: st.SearchStrategy[tuple[Factory, int, int | None]],
     machine: type[CacheMachine] = CacheMachine,
     max_length: int = 9,
+    read_log: ReadLog | None = None,
+    max_examples: int | None = None,
 ) -> None:
-    """Run `machine` over `kinds` against `backend`, scaled to the loaded profile."""
+    """Run `machine` over `kinds` against `backend`, scaled to the loaded profile unless
+    `max_examples` is given; each read's bounds go to `read_log` if given."""
     profile = settings.default
     bound_machine = type(
         machine.__name__,
         (machine,),
-        {"backend": backend, "kinds": kinds, "max_length": max_length},
+        {"backend": backend, "kinds": kinds, "max_length": max_length, "read_log": read_log},
     )
     run_state_machine_as_test(
         bound_machine,
         settings=settings(
-            max_examples=max(10, profile.max_examples // 2),
+            max_examples=max_examples or max(10, profile.max_examples // 2),
             stateful_step_count=25,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -335,6 +640,10 @@ def run_machine(
         ),
     )
 
+
+#: Ring sizes: mostly small rings, whose wraps the machines reach often; some larger, up
+#: to one past a 256-row growth step (RING-2 grows a ring in steps of 256 up to max_size).
+ring_sizes = st.one_of(st.integers(1, 8), st.sampled_from([9, 16, 33, 257]))
 
 # Operation sequences shared by the explicit cache tests.
 #: Ring operations: (kind, length) with kind append (length positions), decode, trim.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from kvspec.conformance.backend import Backend, load_backend
 
@@ -20,6 +20,13 @@ settings.register_profile(
 )
 settings.register_profile("fuzz", parent=settings.get_profile("ci"), max_examples=5000)
 settings.register_profile("quick", parent=settings.get_profile("ci"), max_examples=25)
+# mutants: ci's examples without shrinking, for tools/mutants.py (a fault is caught or
+# missed when generation ends; shrinking its example can take minutes).
+settings.register_profile(
+    "mutants",
+    parent=settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

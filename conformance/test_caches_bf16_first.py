@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.cache_machine import appends, random_kv, run_machine, starts
+from kvspec.conformance.cache_machine import appends, random_kv, ring_sizes, run_machine, starts
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import caches as reference
 from kvspec.reference.dtypes import BFLOAT16
@@ -19,7 +19,7 @@ from kvspec.reference.dtypes import BFLOAT16
 @st.composite
 def bf16_first_kinds(draw: st.DrawFn):
     bits = draw(st.sampled_from([2, 3, 4, 5, 6, 8]))
-    group_size = draw(st.sampled_from([32, 64]))
+    group_size = draw(st.sampled_from([32, 64, 128]))
     start = draw(starts)
 
     def factory(m):
@@ -31,7 +31,7 @@ def bf16_first_kinds(draw: st.DrawFn):
 @st.composite
 def bf16_first_rotating_kinds(draw: st.DrawFn):
     bits = draw(st.sampled_from([2, 4, 8]))
-    max_size = draw(st.integers(1, 8))
+    max_size = draw(ring_sizes)
     start = draw(starts)
 
     def factory(m):

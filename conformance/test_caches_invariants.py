@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.cache_machine import random_kv
+from kvspec.conformance.cache_machine import assert_matches_model, fetch_is_exact, random_kv
 from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.oracles import model_of
+from kvspec.reference import caches as reference
 from kvspec.reference.dtypes import BFLOAT16
 
 # (factory, head_dim): TurboQuant takes no head_dim below 64 (TQ-1).
@@ -47,6 +49,13 @@ def _state_equal(backend, a, b, what: str) -> None:
         assert_same_bits(backend.to_numpy(x), backend.to_numpy(y), f"{what} slot {slot}")
 
 
+def _assert_matches(backend, model, cache) -> None:
+    """The cache against the independent model of its kind (oracles.py): the comparisons
+    above hold the backend against itself, which cannot see a fault both sides share."""
+    exact = fetch_is_exact(cache.signature(), backend)
+    assert_matches_model(model, cache, backend.to_numpy, exact)
+
+
 def _append_in_pieces(backend, cache, k: np.ndarray, v: np.ndarray, lengths) -> None:
     start = 0
     for length in lengths:
@@ -67,6 +76,9 @@ def test_growing_span_at_once_equals_pieces(backend, make, lengths, seed) -> Non
     once.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
     _append_in_pieces(backend, split, k, v, lengths)
     _state_equal(backend, once, split, "state")
+    model = model_of(make(reference))
+    model.append(k, v)
+    _assert_matches(backend, model, split)
 
 
 @given(make=rings, lengths=pieces, seed=st.integers(0, 2**32 - 1))
@@ -106,6 +118,12 @@ def test_trim_then_append_equals_never_appended(backend, make, first, dropped, t
         cache.update_and_fetch(backend.from_numpy(c[0]), backend.from_numpy(c[1]))
     assert trimmed.offset == direct.offset
     _fetch_equal(backend, trimmed, direct, "fetch")
+    model = model_of(make(reference))
+    for k, v in (a, b):
+        model.append(k, v)
+    model.trim(dropped)
+    model.append(*c)
+    _assert_matches(backend, model, trimmed)
 
 
 @pytest.mark.parametrize("read", ["append_decode", "append_window", "update_and_fetch"])

@@ -17,7 +17,7 @@ kv_kinds = st.sampled_from([32, 64]).map(lambda d: (lambda m: m.KVCache(), d, No
 @st.composite
 def quantized_kinds(draw: st.DrawFn):
     bits = draw(st.sampled_from([2, 3, 4, 5, 6, 8]))
-    group_size = draw(st.sampled_from([32, 64]))
+    group_size = draw(st.sampled_from([32, 64, 128]))
     head_dim = group_size * draw(st.sampled_from([1, 2]))
     return (lambda m: m.QuantizedKVCache(group_size, bits), head_dim, group_size)
 

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvspec.conformance.bounds import FLOAT32_ROUNDOFF, attention_bound, deferred_attention_bound
-from kvspec.conformance.cache_machine import random_kv, run_machine
+from kvspec.conformance.cache_machine import assert_matches_model, random_kv, run_machine
 from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.oracles import model_of
 from kvspec.reference import caches as reference
 from kvspec.reference import turboquant
 from kvspec.reference.caches.turboquant import KERNELS
@@ -23,7 +24,7 @@ widths = st.tuples(
     st.sampled_from(turboquant.KEY_BITS),
     st.sampled_from(turboquant.VALUE_BITS),
     st.sampled_from(KERNELS),
-    st.sampled_from([64, 128]),
+    st.sampled_from(turboquant.HEAD_DIMS),
 )
 starts = st.sampled_from([0, 1, 5, 12])
 
@@ -141,15 +142,19 @@ def test_growth_and_trim_follow_kv_cache(backend, lengths, trim) -> None:
     allowed."""
     caches = backend.module("caches")
     ours, plain = caches.TurboQuantKVCache(2, 2), caches.KVCache()
+    model = model_of(reference.TurboQuantKVCache(2, 2))
     for step, length in enumerate(lengths):
-        k, v = _to_backend(backend, *random_kv(step, (1, 1, length, 64), 64, BFLOAT16))
-        keys, values = ours.update_and_fetch(k, v)
-        plain.update_and_fetch(k, v)
+        kv = random_kv(step, (1, 1, length, 64), 64, BFLOAT16)
+        keys, values = ours.update_and_fetch(*_to_backend(backend, *kv))
+        plain.update_and_fetch(*_to_backend(backend, *kv))
+        model.append(*kv)
         assert (ours.offset, ours.capacity) == (plain.offset, plain.capacity)
         assert tuple(keys.shape) == tuple(values.shape) == (1, 1, plain.offset, 64)
         assert ours.is_trimmable()
-        assert ours.trim(trim) == plain.trim(trim)
+        assert ours.trim(trim) == plain.trim(trim) == model.trim(trim)
         ours.check_invariants()
+        # KVCache shares the growth code; the model states CACHE-3's rule on its own.
+        assert_matches_model(model, ours, backend.to_numpy, fetch=True)
 
 
 def _assert_rejected_unchanged(backend, cache, operation, match: str) -> None:

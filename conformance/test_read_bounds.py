@@ -1,0 +1,52 @@
+"""How informative the read bounds are (READ-1): over the reads the cache machines make,
+READ-1's bound and the rounded-attention interval (bounds.rounded_attention_interval),
+each over the largest output magnitude of its read.
+
+READ-1's bound holds any float32 attention; with bfloat16 keys it often exceeds the output
+itself, so a read wrong by a whole value could pass it. The interval holds a backend that
+rounds as MLX's CPU attention does (Backend.rounded_attention); its target: at most 1/100
+of the largest output in 99% of the reads. `pytest -s` prints both distributions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from kvspec.conformance.cache_machine import ReadLog, run_machine
+
+#: One small kind of each storage: plain, affine, ring, TurboQuant (dense and deferred).
+KINDS = st.sampled_from(
+    [
+        (lambda m: m.KVCache(), 64, None),
+        (lambda m: m.QuantizedKVCache(64, 4), 64, 64),
+        (lambda m: m.RotatingKVCache(8, 1), 64, None),
+        (lambda m: m.TurboQuantKVCache(8, 4), 128, None),
+        (lambda m: m.TurboQuantKVCache(4, 3, "deferred"), 64, None),
+    ]
+)
+#: The target of the rounded-attention interval.
+TARGET_FRACTION, TARGET_SHARE = 1 / 100, 0.99
+
+
+def _distribution(ratios: np.ndarray) -> str:
+    p50, p90, p99 = np.percentile(ratios, [50, 90, 99])
+    return (
+        f"p50 {p50:.2e}, p90 {p90:.2e}, p99 {p99:.2e}, max {ratios.max():.2e}; "
+        f">= 1/10 in {np.mean(ratios >= 0.1):.1%}, >= 1 in {np.mean(ratios >= 1):.1%}"
+    )
+
+
+def test_rounded_attention_interval_is_informative(backend) -> None:
+    """READ-1: the interval is at most 1/100 of the output in 99% of the machines' dense
+    reads (the machines check every read against it)."""
+    log: ReadLog = []
+    run_machine(backend, KINDS, read_log=log, max_examples=30)
+    read_1 = np.array([bound for bound, _ in log])
+    width = np.array([width for _, width in log if not np.isnan(width)])
+    print(f"\n{len(read_1)} reads; READ-1 bound / largest output: {_distribution(read_1)}")
+    if not backend.rounded_attention:
+        return
+    print(f"{len(width)} dense reads; interval / largest output: {_distribution(width)}")
+    assert len(width) > 100
+    assert np.mean(width <= TARGET_FRACTION) >= TARGET_SHARE

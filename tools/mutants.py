@@ -1,0 +1,442 @@
+"""Measure the conformance suite by deliberate faults (mutants).
+
+Each mutant of the catalogue replaces one piece of text, which must occur exactly once,
+in one file of a temporary copy of the project; the tests named for it then run on that
+copy under a hypothesis profile (by default "mutants": the ci profile's examples without
+shrinking, which can take minutes once a fault is found). A mutant is caught
+when a test fails, missed when all pass; a run that cannot even start (exit status other
+than 0 or 1) is reported as an error. The copy is imported through PYTHONPATH ahead of
+the editable install, and each run checks that it imports the copy.
+
+    .venv/bin/python tools/mutants.py                       # the whole catalogue
+    .venv/bin/python tools/mutants.py --list
+    .venv/bin/python tools/mutants.py ring-wraps-early trim-past-offset --runs 3
+
+Prints a Markdown table (mutant, file, fault, tests, result per run, seconds); exits 1
+when a mutant is missed, does not apply, or errs. docs/mutants.md holds the catalogue and
+its last result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parent.parent
+#: What the copy holds: the packages (imported as kvspec.*) and what the tests read.
+COPIED = ("reference", "accelerated", "conformance", "tools", "docs", "pyproject.toml", "README.md")
+PACKAGES = ("reference", "accelerated", "conformance")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One deliberate fault: `before` (exactly once in `path`) becomes `after`."""
+
+    name: str
+    path: str
+    before: str
+    after: str
+    fault: str
+    tests: tuple[str, ...]
+
+
+KV = "conformance/test_caches_kv.py"
+RING = "conformance/test_caches_rotating.py"
+BF16 = "conformance/test_caches_bf16_first.py"
+TQC = "conformance/test_caches_turboquant.py"
+AFFINE = "conformance/test_affine.py"
+TQ = "conformance/test_turboquant.py"
+EDGES = "conformance/test_edges.py"
+MASKS = "conformance/test_masks.py"
+CONVERSIONS = "conformance/test_conversions.py"
+
+CATALOGUE = (
+    # -- the state machines both backends share (reference/caches) --------------------
+    Mutant(
+        "ring-wraps-early",
+        "reference/caches/rotating.py",
+        "        if self._index == self.max_size:\n",
+        "        if self._index >= self.max_size - 1 and self.offset >= self.max_size:\n",
+        "a full ring wraps to keep one slot early (RING-2)",
+        (f"{RING}::test_rotating_kv_cache_machine",),
+    ),
+    Mutant(
+        "ring-evicts-keep",
+        "reference/caches/rotating.py",
+        "[f[:, :, : self.keep], f[:, :, count + self.keep :]]",
+        "[f[:, :, count : count + self.keep], f[:, :, count + self.keep :]]",
+        "eviction drops the kept positions instead of the oldest after them (RING-3)",
+        (f"{RING}::test_rotating_kv_cache_machine",),
+    ),
+    Mutant(
+        "ring-temporal-order",
+        "reference/caches/rotating.py",
+        "                        f[:, :, self._index :],\n"
+        "                        f[:, :, self.keep : self._index],\n",
+        "                        f[:, :, self.keep : self._index],\n"
+        "                        f[:, :, self._index :],\n",
+        "a wrapped ring put in temporal order with its two runs swapped (RING-3)",
+        (f"{RING}::test_rotating_kv_cache_machine",),
+    ),
+    Mutant(
+        "ring-trimmable-when-full",
+        "reference/caches/rotating.py",
+        "        return self.offset < self.max_size\n",
+        "        return self.offset <= self.max_size\n",
+        "a ring holding max_size positions counts as trimmable (RING-5)",
+        (f"{RING}::test_rotating_kv_cache_machine",),
+    ),
+    Mutant(
+        "ring-conversion-index",
+        "reference/caches/rotating.py",
+        "        target._index = self._index\n",
+        "        target._index = self.length\n",
+        "to_quantized moves the ring index to the buffer's end (CACHE-9, QRING-2)",
+        (CONVERSIONS, f"{RING}::test_rotating_kv_cache_machine"),
+    ),
+    Mutant(
+        "ring-restore-index-unchecked",
+        "reference/caches/rotating.py",
+        "        if index is None or not 0 <= index <= length:\n",
+        "        if index is None:\n",
+        "restore_state takes a ring index beyond the buffer (RING-6)",
+        (f"{RING}::test_rotating_kv_cache_machine",),
+    ),
+    Mutant(
+        "affine-state-swaps-scales-biases",
+        "reference/caches/kv.py",
+        "        arrays = () if self._fields is None else self._live()\n",
+        "        arrays = () if self._fields is None else self._live()\n"
+        "        if len(arrays) == 6:\n"
+        "            arrays = (arrays[0], arrays[2], arrays[1], *arrays[3:])\n",
+        "an affine state lists k_biases before k_scales (CACHE-8)",
+        (f"{KV}::test_quantized_kv_cache_machine",),
+    ),
+    Mutant(
+        "trim-past-offset",
+        "reference/caches/kv.py",
+        "        trimmed = min(n, self.offset)\n",
+        "        trimmed = n if n <= self.offset else 0\n",
+        "trim(n) with n > offset trims nothing (CACHE-5)",
+        (f"{KV}::test_kv_cache_machine",),
+    ),
+    Mutant(
+        "growth-step-128",
+        "reference/caches/kv.py",
+        "STEP = 256\n",
+        "STEP = 128\n",
+        "growable storage grows in steps of 128 rows (CACHE-3)",
+        (f"{KV}::test_kv_cache_machine", f"{TQC}::test_growth_and_trim_follow_kv_cache"),
+    ),
+    Mutant(
+        "growth-keeps-rows-past-offset",
+        "reference/caches/kv.py",
+        "        if prev % STEP != 0:\n",
+        "        if False:\n",
+        "growth off a step boundary keeps the rows past the offset (CACHE-3)",
+        (f"{KV}::test_kv_cache_machine", f"{TQC}::test_growth_and_trim_follow_kv_cache"),
+    ),
+    Mutant(
+        "restore-offset-unchecked",
+        "reference/caches/kv.py",
+        "            if any(a.shape[2] != state.offset for a in state.arrays):\n",
+        "            if False:\n",
+        "restore_state takes arrays of another length than the offset (CACHE-8)",
+        (f"{KV}::test_kv_cache_machine",),
+    ),
+    Mutant(
+        "conversion-encodes-capacity",
+        "reference/caches/turboquant.py",
+        "        window = cache.keys_and_values()\n",
+        "        window = None if cache._fields is None else cache._decode(cache._fields)\n",
+        "from_kv_cache encodes the unused capacity rows too (TQC-3)",
+        (CONVERSIONS, f"{TQC}::test_turboquant_kv_cache_machine"),
+    ),
+    Mutant(
+        "turboquant-rejects-format-mixing",
+        "reference/caches/turboquant.py",
+        "        return replace(super()._append_layout(k, v), dtype=READ_DTYPE)\n",
+        "        return super()._append_layout(k, v)\n",
+        "TurboQuant storage fixes the input format (TQC-2)",
+        (f"{TQC}::test_turboquant_kv_cache_machine",),
+    ),
+    Mutant(
+        "bf16-first-converts-late",
+        "reference/caches/bf16_first.py",
+        "    return offset >= start and offset != 0\n",
+        "    return offset > start and offset != 0\n",
+        "the switch waits one position past start (B16F-1)",
+        (f"{BF16}::test_transition_due", f"{BF16}::test_bf16_first_quantized_machine"),
+    ),
+    Mutant(
+        "bf16-first-reuse-floor",
+        "reference/caches/bf16_first.py",
+        "        if self.start > 0:\n",
+        "        if self.start >= 0:\n",
+        "start 0 records a minimum reusable offset (B16F-4)",
+        (f"{BF16}::test_bf16_first_quantized_machine",),
+    ),
+    Mutant(
+        "bf16-first-ring-commits-at-once",
+        "reference/caches/bf16_first.py",
+        "        self.check_append(k, v)\n        reads = [",
+        "        return self.storage.append_committed(k, v)\n        reads = [",
+        "a bf16-first ring commits a span as one window read, not decode by decode (READ-4)",
+        (f"{BF16}::test_bf16_first_rotating_quantized_machine",),
+    ),
+    Mutant(
+        "mask-window-off-by-one",
+        "reference/caches/masks.py",
+        "(query_positions < key_positions + window_size)",
+        "(query_positions <= key_positions + window_size)",
+        "the causal window shows one key too many (MASK-1)",
+        (f"{RING}::test_rotating_kv_cache_machine", MASKS),
+    ),
+    Mutant(
+        "mask-one-query-drops-window",
+        "reference/caches/masks.py",
+        "    if n == 1 and (window_size is None or offset < window_size):\n",
+        "    if n == 1:\n",
+        "one query on full attention ignores the window, as the seeds do (MASK-2)",
+        (f"{KV}::test_kv_cache_machine", MASKS),
+    ),
+    Mutant(
+        "ring-mask-roll",
+        "reference/caches/masks.py",
+        "        return np.roll(visible, index + 1)\n",
+        "        return np.roll(visible, index)\n",
+        "a ring's one-query window rolled one slot short (MASK-3)",
+        (f"{RING}::test_rotating_kv_cache_machine", MASKS),
+    ),
+    # -- the codecs' reference (held by MLX's and the golden vectors) --------------------
+    Mutant(
+        "affine-round-half-away",
+        "reference/affine.py",
+        "    steps = np.rint(shifted / scale[..., None])\n",
+        "    steps = np.floor(shifted / scale[..., None] + np.float32(0.5))\n",
+        "affine codes round half up, not half to even (AFF-4, CONV-2)",
+        (f"{AFFINE}::test_stored_fields_equal_reference", EDGES),
+    ),
+    Mutant(
+        "turboquant-key-round-half-away",
+        "reference/turboquant.py",
+        "    codes = np.rint(shifted)\n",
+        "    codes = np.trunc(shifted + np.copysign(np.float32(0.5), shifted))\n",
+        "TurboQuant key codes round half away from zero (TQ-4, CONV-2)",
+        (EDGES,),
+    ),
+    Mutant(
+        "turboquant-value-boundary-tie",
+        "reference/turboquant.py",
+        "    below = boundaries(bits) < u[..., None]\n",
+        "    below = boundaries(bits) <= u[..., None]\n",
+        "a value on a codebook boundary takes the upper index (TQ-7: ties go down)",
+        (EDGES,),
+    ),
+    Mutant(
+        "turboquant-constant-key-group",
+        "reference/turboquant.py",
+        "    scale = np.where(constant, np.abs(top), scale)\n",
+        "",
+        "a constant key group keeps TQ-4's scale 0 instead of its magnitude (TQ-11)",
+        (EDGES,),
+    ),
+    # -- the MLX backend ------------------------------------------------------------------
+    Mutant(
+        "mlx-affine-round-half-away",
+        "accelerated/affine.py",
+        "    steps = mx.round((groups - bias[..., None]) / scale[..., None])\n",
+        "    steps = mx.floor((groups - bias[..., None]) / scale[..., None] + 0.5)\n",
+        "the MLX affine encoder rounds half up (AFF-4)",
+        (f"{AFFINE}::test_every_encoder_stores_reference_bits", EDGES),
+    ),
+    Mutant(
+        "mlx-affine-constant-group",
+        "accelerated/affine.py",
+        "    scale = mx.maximum(span / n_bins, EPS.item())\n",
+        "    scale = mx.maximum(span / n_bins, 1e-6)\n",
+        "the MLX affine encoder's smallest scale is 1e-6, not 1e-7 (AFF-3, AFF-7)",
+        (f"{AFFINE}::test_every_encoder_stores_reference_bits", EDGES),
+    ),
+    Mutant(
+        "mlx-affine-decode-one-rounding",
+        "accelerated/affine.py",
+        "    return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)\n",
+        "    wide = scales.astype(mx.float32), biases.astype(mx.float32)\n"
+        "    read = mx.dequantize(wq, *wide, group_size=group_size, bits=bits)\n"
+        "    return read.astype(scales.dtype)\n",
+        "the MLX affine decode rounds once, not after the product and the sum (AFF-6, QKV-2)",
+        (EDGES, f"{KV}::test_quantized_kv_cache_machine"),
+    ),
+    Mutant(
+        "mlx-turboquant-key-round-half-away",
+        "accelerated/turboquant.py",
+        "    codes = mx.round(x / step[..., None] - zero[..., None])\n",
+        "    quotient = x / step[..., None] - zero[..., None]\n"
+        "    codes = mx.sign(quotient) * mx.floor(mx.abs(quotient) + 0.5)\n",
+        "the MLX TurboQuant key codes round half away from zero (TQ-4)",
+        (EDGES,),
+    ),
+    Mutant(
+        "mlx-turboquant-value-boundary-tie",
+        "accelerated/turboquant.py",
+        "        below = mx.take(table, candidate - 1) < u\n",
+        "        below = mx.take(table, candidate - 1) <= u\n",
+        "the MLX value encoder puts a value on a boundary above it (TQ-7)",
+        (EDGES,),
+    ),
+    Mutant(
+        "mlx-attention-drops-a-key",
+        "accelerated/caches/attention.py",
+        "    return mx.fast.scaled_dot_product_attention(",
+        "    if mask is None and keys.shape[2] > 1:\n"
+        "        keys, values = keys[:, :, 1:], values[:, :, 1:]\n"
+        "    return mx.fast.scaled_dot_product_attention(",
+        "unmasked MLX reads drop the oldest key (READ-1, READ-2)",
+        (f"{KV}::test_kv_cache_machine",),
+    ),
+    Mutant(
+        "mlx-attention-scale",
+        "accelerated/caches/attention.py",
+        "scale=scale, mask=mask)",
+        "scale=scale * 1.02, mask=mask)",
+        "MLX reads scale the scores by 1.02 (READ-1)",
+        (f"{KV}::test_kv_cache_machine",),
+    ),
+    Mutant(
+        "mlx-ring-mask-index",
+        "accelerated/caches/masks.py",
+        "masks.rotating_make_mask(n, offset, max_size, ring_index, window_size)",
+        "masks.rotating_make_mask(n, offset, max_size, ring_index + 1, window_size)",
+        "the MLX ring mask takes the ring index one slot late (MASK-3)",
+        (f"{RING}::test_rotating_kv_cache_machine", MASKS),
+    ),
+)
+
+
+def copy_project(root: Path) -> tuple[Path, Path]:
+    """The project under root/project, and root/path/kvspec linking its packages."""
+    project, path = root / "project", root / "path"
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.egg-info")
+    for name in COPIED:
+        source = PROJECT / name
+        if source.is_dir():
+            shutil.copytree(source, project / name, ignore=ignore)
+        else:
+            project.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, project / name)
+    (path / "kvspec").mkdir(parents=True)
+    for package in PACKAGES:
+        (path / "kvspec" / package).symlink_to(project / package)
+    return project, path
+
+
+def apply(mutant: Mutant, project: Path) -> None:
+    """Replace the mutant's text; ValueError unless it occurs exactly once."""
+    target = project / mutant.path
+    text = target.read_text()
+    count = text.count(mutant.before)
+    if count != 1:
+        raise ValueError(f"{mutant.name}: its text occurs {count} times in {mutant.path}")
+    target.write_text(text.replace(mutant.before, mutant.after))
+
+
+def run_tests(mutant: Mutant, profile: str, timeout: float) -> tuple[str, float]:
+    """('caught' | 'missed' | 'error: ...', seconds) of one run on a fresh copy."""
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        project, path = copy_project(Path(tmp))
+        try:
+            apply(mutant, project)
+        except ValueError as error:
+            return f"error: {error}", 0.0
+        env = {**os.environ, "PYTHONPATH": str(path), "HYPOTHESIS_PROFILE": profile}
+        probe = "import kvspec.reference.caches as c; print(c.__file__)"
+        where = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False
+        )
+        if not where.stdout.startswith(str(path)):
+            return f"error: the copy is not what imports ({where.stdout.strip()})", 0.0
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+        began = time.monotonic()
+        try:
+            result = subprocess.run(
+                [*command, *mutant.tests],
+                cwd=project,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return "error: timed out", time.monotonic() - began
+        seconds = time.monotonic() - began
+    if result.returncode == 1:
+        return "caught", seconds
+    if result.returncode == 0:
+        return "missed", seconds
+    tail = (result.stdout + result.stderr).strip().splitlines()[-1:]
+    return f"error: exit {result.returncode} {' '.join(tail)}", seconds
+
+
+def table(rows: Sequence[tuple[Mutant, list[str], float]]) -> str:
+    lines = ["| mutant | file | fault | tests | result | seconds |", "|---|---|---|---|---|---|"]
+    for mutant, results, seconds in rows:
+        tests = "<br>".join(test.removeprefix("conformance/") for test in mutant.tests)
+        lines.append(
+            f"| {mutant.name} | {mutant.path} | {mutant.fault} | {tests} | "
+            f"{', '.join(results)} | {seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def select(names: Sequence[str]) -> list[Mutant]:
+    if not names:
+        return list(CATALOGUE)
+    by_name = {mutant.name: mutant for mutant in CATALOGUE}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown mutants: {', '.join(unknown)} (--list shows them)")
+    return [by_name[name] for name in names]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mutants", nargs="*", help="names from the catalogue (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    parser.add_argument("--runs", type=int, default=1, help="runs of each mutant (default 1)")
+    parser.add_argument(
+        "--profile",
+        default="mutants",
+        help="hypothesis profile (default mutants: ci's examples, no shrinking)",
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    args = parser.parse_args(argv)
+    chosen = select(args.mutants)
+    if args.list:
+        for mutant in chosen:
+            print(f"{mutant.name}: {mutant.path}: {mutant.fault}")
+        return 0
+    rows = []
+    for mutant in chosen:
+        results, total = [], 0.0
+        for _ in range(args.runs):
+            result, seconds = run_tests(mutant, args.profile, args.timeout)
+            results.append(result)
+            total += seconds
+        print(f"{mutant.name}: {', '.join(results)} ({total:.0f} s)", file=sys.stderr)
+        rows.append((mutant, results, total / args.runs))
+    print(table(rows))
+    return 0 if all(result == "caught" for _, results, _ in rows for result in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

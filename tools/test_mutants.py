@@ -1,0 +1,44 @@
+"""tools/mutants.py: every catalogued fault still applies to the code, and a fast subset is
+caught by the ci profile (the whole catalogue: docs/mutants.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mutants
+import pytest
+
+#: One fault of each kind whose catching tests run in seconds: rounding in a codec's
+#: reference and in the MLX encoder, a shared ring, a shared trim, a shared state's slot
+#: order, and the MLX attention's scale.
+FAST_SUBSET = (
+    "affine-round-half-away",
+    "mlx-turboquant-key-round-half-away",
+    "ring-wraps-early",
+    "trim-past-offset",
+    "affine-state-swaps-scales-biases",
+    "mlx-attention-scale",
+)
+
+
+def test_every_mutant_applies_once() -> None:
+    names = [mutant.name for mutant in mutants.CATALOGUE]
+    assert len(names) == len(set(names))
+    for mutant in mutants.CATALOGUE:
+        text = (mutants.PROJECT / mutant.path).read_text()
+        assert text.count(mutant.before) == 1, f"{mutant.name} no longer applies"
+        for test in mutant.tests:
+            assert (mutants.PROJECT / test.partition("::")[0]).is_file(), test
+
+
+def test_the_copy_is_what_imports(tmp_path: Path) -> None:
+    project, path = mutants.copy_project(tmp_path)
+    assert (path / "kvspec" / "reference").resolve() == (project / "reference").resolve()
+    assert (project / "conformance" / "cache_machine.py").is_file()
+
+
+@pytest.mark.parametrize("name", FAST_SUBSET)
+def test_fast_subset_is_caught(name: str) -> None:
+    (mutant,) = mutants.select([name])
+    result, _ = mutants.run_tests(mutant, "mutants", timeout=300)
+    assert result == "caught", f"{name}: {result}"
