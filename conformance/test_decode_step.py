@@ -39,6 +39,8 @@ def _poisoned_kv(seed: int, shape: tuple[int, int, int, int], dtype: str):
         big = 60000.0 if dtype == "float16" else 1e6
         k[0, -1, 2, 32:64] = big  # a constant group beyond float16 (f32 input only)
         k[0, 0, 3, :32] = np.linspace(big - 1, big, 32)  # a zero point beyond float16
+        if dtype == "float32":
+            v[0, 0, 4] *= 1e5  # finite values whose group rms is beyond float16
     elif L >= 2:
         k[0, 0, 0, 5] = np.nan
         v[0, -1, 1, 7] = np.inf
@@ -225,3 +227,18 @@ def test_deferred_check_append_checks_only_the_layout(backend: Backend) -> None:
     cache.check()
     with pytest.raises(ValueError, match="checks must be one of"):
         backend.module("caches").QuantizedKVCache(64, 4, checks="lazy")
+
+
+@pytest.mark.parametrize("kind", ["affine-4-64", "turbo-k8v4-dense"])
+def test_a_failure_is_kept_past_later_good_appends(backend: Backend, kind: str) -> None:
+    """DEFER-3: the running rank keeps the earliest check any append failed until check()."""
+    cache = READ_KINDS[kind](backend.module("caches"))
+    rng = np.random.default_rng(3)
+    good = _normal(rng, (1, 2, 1, 128), "float32")
+    bad = good.copy()
+    bad[0, 0, 0, 0] = np.inf
+    for k in (good, bad, good, good):
+        cache.append_decode(backend.from_numpy(k), backend.from_numpy(good))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        cache.check()
+    cache.check()

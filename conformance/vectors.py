@@ -201,6 +201,8 @@ TURBOQUANT_NOTES = {
     "AllCentroids": "Values whose codes use every centroid of the value codebook (TQ-2): a "
     "wrong table entry fails here.",
     "ZeroPointOverflow": "A key zero point beyond float16 (TQ-3): must be rejected.",
+    "ValueScaleOverflow": "A value group rms beyond float16 from finite values (TQ-3): must "
+    "be rejected; deferred, its codes are 0 (DEFER-1).",
 }
 TURBOQUANT_EDGE_FLAGS = {
     "normal": "Normal",
@@ -354,6 +356,9 @@ def build_turboquant(seed: int = 2026) -> dict[str, Any]:
         if dtype_name == "float32":  # the other dtypes cannot hold such keys
             far = (1e6 + rng.uniform(0, 1, (1, 1, 2, 64))).astype(np.float32)
             cases.append(("ZeroPointOverflow", far, normal[1]))
+            loud = normal[1].copy()
+            loud[0, 0, 1] *= 1e5  # a row whose group rms is beyond float16
+            cases.append(("ValueScaleOverflow", normal[0], loud))
         for flag, k, v in cases:
             tc_id += 1
             invalid.append(

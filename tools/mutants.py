@@ -57,6 +57,8 @@ TQ = "conformance/test_turboquant.py"
 EDGES = "conformance/test_edges.py"
 MASKS = "conformance/test_masks.py"
 CONVERSIONS = "conformance/test_conversions.py"
+DECODE = "conformance/test_decode_step.py"
+GOLDEN = "conformance/test_golden.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -318,6 +320,47 @@ CATALOGUE = (
         "masks.rotating_make_mask(n, offset, max_size, ring_index + 1, window_size)",
         "the MLX ring mask takes the ring index one slot late (MASK-3)",
         (f"{RING}::test_rotating_kv_cache_machine", MASKS),
+    ),
+    # -- deferred checks and the decode read (DEFER, READ-7) ---------------------------
+    Mutant(
+        "defer-platform-nan",
+        "reference/dtypes.py",
+        '"float16": 0x7E00',
+        '"float16": 0x7D00',
+        "NaN groups store MLX's own float16 NaN, not the spec's quiet NaN (DEFER-1)",
+        (GOLDEN,),
+    ),
+    Mutant(
+        "defer-rank-reversed",
+        "reference/deferred.py",
+        "            return len(checks) - i\n",
+        "            return i + 1\n",
+        "the reference ranks the last check highest (DEFER-2)",
+        (DECODE, GOLDEN),
+    ),
+    Mutant(
+        "defer-value-codes-kept",
+        "reference/turboquant.py",
+        "np.where(value_failed[..., None], np.uint8(0), _grouped(indices))",
+        "_grouped(indices)",
+        "a failed value group keeps its codes (DEFER-1)",
+        (DECODE, GOLDEN),
+    ),
+    Mutant(
+        "mlx-running-rank-forgotten",
+        "accelerated/caches/turboquant.py",
+        "self.k_bits, self.v_bits, running(self))",
+        "self.k_bits, self.v_bits, None)",
+        "a TurboQuant cache forgets an earlier failure at its next append (DEFER-3)",
+        (f"{DECODE}::test_a_failure_is_kept_past_later_good_appends",),
+    ),
+    Mutant(
+        "mlx-decode-read-drops-newest",
+        "accelerated/caches/reads.py",
+        "        rows = self._live_rows()\n",
+        "        rows = self._live_rows() - 1\n",
+        "the MLX decode read leaves out the position just appended (READ-2, READ-7)",
+        (f"{KV}::test_kv_cache_machine", DECODE),
     ),
 )
 
