@@ -120,6 +120,12 @@ class ReadMethods(reads.ReadMethods):
             None,
         )
 
+    def _rank_input(self) -> mx.array:
+        """The running rank as the compiled step reads it (COMPILE-3): uint32 [1], zero
+        before the first record."""
+        failure = running(self)
+        return mx.zeros((1,), mx.uint32) if failure is None else failure
+
     def _record_failure(self, fields: Fields, failure: mx.array) -> Fields:
         """DEFER-3: keep the running rank as a lazy uint32 [1], and return the fields to
         store with the first tied to it, so evaluating what was stored evaluates the rank:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvspec.reference.caches.compiled import DecodePlan
 from kvspec.reference.caches.kv import STEP
 from kvspec.reference.caches.protocol import (
     CacheState,
@@ -70,6 +71,11 @@ class RingStorage(FieldStorage):
 
     def _update_in_place(self, new: Fields) -> None:
         """RING-2."""
+        self._make_ring_room(new)
+        self._write_decoded(new, self._index)
+
+    def _make_ring_room(self, new: Fields) -> None:
+        """RING-2 steps 1 .. 3: room at the ring index for one position shaped as `new`."""
         prev = self.offset
         if self._fields is None or (prev >= self.length and self.length < self.max_size):
             # Grow by a step, never past max_size.
@@ -90,10 +96,21 @@ class RingStorage(FieldStorage):
             self._index = self.max_size
         if self._index == self.max_size:
             self._index = self.keep
+
+    def _decode_room(self) -> DecodePlan:
+        """COMPILE-2, RING-2 steps 1 .. 3: the step writes row i and reads rows
+        0 .. min(offset + 1, T) - 1, in ring order (RING-4)."""
+        assert self._fields is not None
+        self._make_ring_room(tuple(field[:, :, :1] for field in self._fields))
+        return DecodePlan(self._index, min(self.offset + 1, self.length))
+
+    def _write_decoded(self, new: Fields, position: int) -> None:
+        """RING-2 step 4 at row `position`, the ring index."""
+        assert self._fields is not None
         for field, part in zip(self._fields, new, strict=True):
-            field[:, :, self._index : self._index + 1] = part
-        self.offset = prev + 1
-        self._index += 1
+            field[:, :, position : position + 1] = part
+        self.offset += 1
+        self._index = position + 1
 
     def _update_concat(self, new: Fields) -> None:
         """RING-3."""
