@@ -88,28 +88,50 @@ class DecodeTrace:
 class DecodeStepMethods:
     """COMPILE-2 .. COMPILE-5 for field storage; the growable and ring storages supply
     the growth half (`_decode_room`), the encoding storages their deferred encode and
-    their read."""
+    their read. Until the commit the cache itself is untouched: the room is made on a
+    copy, which the commit adopts."""
+
+    #: What the last `prepare_decode_step` made: its plan, the copy holding the room, and
+    #: the fields, offset and ring index it was made from.
+    _prepared: tuple[DecodePlan, Any, tuple[Any, ...]] | None = None
 
     def prepare_decode_step(self) -> DecodePlan:
         """COMPILE-2: room for one more position, as a one-position append makes it (CACHE-3
-        step 1; RING-2 steps 1 .. 3), nothing written. Idempotent until the commit."""
+        step 1; RING-2 steps 1 .. 3), on a copy of the storage; nothing written."""
         if self._fields is None:
             raise ValueError("a compiled decode step needs a cache holding a layout: prefill first")
-        return self._decode_room()
+        room = copy.copy(self)
+        room._prepared = None
+        plan = room._decode_room()
+        self._prepared = (plan, room, self._decode_basis())
+        return plan
+
+    def _decode_basis(self) -> tuple[Any, ...]:
+        return (self._fields, self.offset, self.ring_index)
+
+    def _room_of(self, plan: DecodePlan) -> Any:
+        """The copy `prepare_decode_step` made for `plan`, if the cache is as it left it."""
+        if self._prepared is None or self._prepared[0] != plan:
+            raise ValueError(f"no prepare_decode_step made {plan}")
+        _, room, (fields, offset, ring_index) = self._prepared
+        if fields is not self._fields or (offset, ring_index) != (self.offset, self.ring_index):
+            raise ValueError("the cache changed after prepare_decode_step")
+        return room
 
     def decode_slot(self, plan: DecodePlan) -> DecodeSlot:
         """COMPILE-3: the graph's key, and a trace over a copy of this storage's parameters
         (no arrays: a compiled graph would keep them as constants)."""
-        assert self._fields is not None
+        fields = self._room_of(plan)._fields
         key = (
             type(self).__qualname__,
             self._graph_parameters(),
-            tuple((tuple(field.shape), str(field.dtype)) for field in self._fields),
+            tuple((tuple(field.shape), str(field.dtype)) for field in fields),
         )
         parameters = copy.copy(self)
         parameters._fields = None
+        parameters._prepared = None
         parameters._failure = 0
-        count = len(self._fields)
+        count = len(fields)
         encoding = bool(self.deferred_checks)
 
         def trace(inputs: Sequence[Any]) -> DecodeTrace:
@@ -120,20 +142,21 @@ class DecodeStepMethods:
     def decode_inputs(self, plan: DecodePlan) -> tuple[Any, ...]:
         """COMPILE-3: the whole buffers, the write position and the active length as int32
         scalars, and an encoding storage's running failure rank (DEFER-3)."""
-        assert self._fields is not None
+        fields = self._room_of(plan)._fields
         position = self.xp.array(plan.write_position, dtype=self.xp.int32)
         length = self.xp.array(plan.active_length, dtype=self.xp.int32)
         rank = (self._rank_input(),) if self.deferred_checks else ()
-        return (*self._fields, position, length, *rank)
+        return (*fields, position, length, *rank)
 
     def commit_decode_step(self, slot: DecodeSlot, outputs: Sequence[Any]) -> tuple[Any, ...]:
-        """COMPILE-5: write the step's new position where the plan says and advance, as the
-        one-position append would; return the stored fields (to evaluate with the step).
-        Eager checks raise the failure the step's encode ranked before writing anything."""
+        """COMPILE-5: adopt the room, write the step's new position where the plan says and
+        advance, as the one-position append would; return the stored fields (to evaluate
+        with the step). Eager checks raise the failure the step's encode ranked before
+        anything changes."""
         if len(outputs) != slot.outputs:
             raise ValueError(f"the step gives {slot.outputs} outputs, got {len(outputs)}")
-        if self._decode_room() != slot.plan:
-            raise ValueError("the cache changed between prepare_decode_step and the commit")
+        room = self._room_of(slot.plan)
+        self._prepared = None
         new = tuple(outputs)
         if self.deferred_checks:
             *parts, failure = new
@@ -144,8 +167,13 @@ class DecodeStepMethods:
                 new = tuple(parts)
             else:
                 new = self._record_failure(tuple(parts), failure)
+        self._adopt_room(room)
         self._write_decoded(new, slot.plan.write_position)
         return self.stored_fields()
+
+    def _adopt_room(self, room: Any) -> None:
+        """Take the buffers `_decode_room` made on `room`."""
+        self._fields = room._fields
 
     def stored_fields(self) -> tuple[Any, ...]:
         """The stored buffers as they are now (none before the first append)."""

@@ -104,6 +104,11 @@ class RingStorage(FieldStorage):
         self._make_ring_room(tuple(field[:, :, :1] for field in self._fields))
         return DecodePlan(self._index, min(self.offset + 1, self.length))
 
+    def _adopt_room(self, room: RingStorage) -> None:
+        """The buffers and the ring index RING-2 steps 1 .. 3 left on `room`."""
+        self._fields = room._fields
+        self._index = room._index
+
     def _write_decoded(self, new: Fields, position: int) -> None:
         """RING-2 step 4 at row `position`, the ring index."""
         assert self._fields is not None
