@@ -286,16 +286,21 @@ def test_one_graph_per_slot_key(backend) -> None:
 
 
 def test_switch_step_reads_plain_then_converted(backend) -> None:
-    """B16F-2 under COMPILE-5: the due step runs the plain graph (its read in the input's
-    format), the commit switches, the next step reads the converted storage (float32)."""
-    cache = _prefilled(backend, lambda m: m.Bf16FirstTurboQuantKVCache(8, 4, 4), 3)
+    """B16F-2 under COMPILE-5: the due step runs the plain graph (it reads as the eager due
+    decode reads: bf16 on MLX), the commit switches, the next step reads the converted
+    storage (float32)."""
+    factory = lambda m: m.Bf16FirstTurboQuantKVCache(8, 4, 4)  # noqa: E731
+    cache, eager = _prefilled(backend, factory, 3), _prefilled(backend, factory, 3)
     step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
-    (due,), stored = step(*_decode_args(backend, 1))
-    assert cache.converted and cache.offset == 4
-    assert backend.to_numpy(due).dtype == FLOAT_DTYPES["bfloat16"]
-    assert len(stored[0]) == 5, "the converted storage's five fields"
-    (after,), _ = step(*_decode_args(backend, 2))
-    assert backend.to_numpy(after).dtype == np.float32
+    for seed, converted_fields in (1, 5), (2, 5):
+        k, v, queries = _decode_args(backend, seed)
+        (got,), stored = step(k, v, queries)
+        want = eager.append_decode(k, v).attend(queries, 64**-0.5)
+        assert cache.converted and eager.converted and cache.offset == eager.offset
+        assert backend.to_numpy(got).dtype == backend.to_numpy(want).dtype
+        assert len(stored[0]) == converted_fields
+        assert_same_state_bits(backend, cache, eager)
+    assert len(step.graphs) == 2
 
 
 def test_deferred_checks_record_the_rank(backend) -> None:
