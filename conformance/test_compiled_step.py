@@ -33,7 +33,8 @@ from kvspec.conformance.cache_machine import (
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import caches as reference
 from kvspec.reference.caches.compiled import DecodePlan
-from kvspec.reference.caches.turboquant import KERNELS
+from kvspec.reference.caches.reads import DenseRead
+from kvspec.reference.caches.turboquant import KERNELS, DeferredRead
 from kvspec.reference.deferred import failure_message
 from kvspec.reference.dtypes import FLOAT_DTYPES
 from kvspec.reference.turboquant import DEFERRED_CHECKS
@@ -311,6 +312,7 @@ def test_deferred_checks_record_the_rank(backend) -> None:
     step = backend.module("caches.compiled").compile_decode(attend_each, [compiled])
     k, v = random_kv(7, (1, KV_HEADS, 1, 64), 64, np.float32)
     k[0, 1, 0, 3] = np.inf
+    v[0, 0, 0, 9] = np.inf  # every value group of the row NaN (TQ-6)
     queries = _queries(7, 64, np.float32)
     args = [backend.from_numpy(a) for a in (k, v, queries)]
     (got,), _ = step(*args)
@@ -332,6 +334,27 @@ def test_deferred_checks_record_the_rank(backend) -> None:
     assert np.isfinite(backend.to_numpy(got)).all()
     np.testing.assert_allclose(backend.to_numpy(got), backend.to_numpy(want), rtol=1e-5, atol=1e-6)
     assert_same_state_bits(backend, compiled, eager)
+
+
+def test_trace_reads_with_the_cache_kernels(backend) -> None:
+    """COMPILE-3, COMPILE-4: the kernels are part of the key, and the trace reads as the
+    cache's kernels read (TQC-4): rotated values and an unrotated output for deferred."""
+    keys = set()
+    for kernels in KERNELS:
+        cache = _prefilled(
+            backend, lambda m, kernels=kernels: m.TurboQuantKVCache(8, 4, kernels), 5
+        )
+        plan = cache.prepare_decode_step()
+        slot = cache.decode_slot(plan)
+        keys.add(slot.key)
+        trace = slot.trace(cache.decode_inputs(plan))
+        k, v, _ = _decode_args(backend, 4)
+        read = trace.append_decode(k, v)
+        assert isinstance(read, DeferredRead) == (kernels == "deferred")
+        assert isinstance(read, DenseRead) == (kernels == "dense")
+        assert len(trace.outputs) == slot.outputs == 6
+        assert cache.offset == 5, "a trace changes nothing"
+    assert len(keys) == len(KERNELS)
 
 
 def assert_same_state_bits(backend, a, b) -> None:
