@@ -82,7 +82,7 @@ class DecodeTrace:
         joined = tuple(
             xp.where(written, part, field) for field, part in zip(self._fields, new, strict=True)
         )
-        return storage._decode_read(joined, rows < active_length)
+        return storage._decode_read(joined, rows < active_length, active_length)
 
 
 class DecodeStepMethods:
@@ -187,9 +187,10 @@ class DecodeStepMethods:
         """The running failure rank as the graph reads it (DEFER-3)."""
         return self._failure
 
-    def _decode_read(self, fields: tuple[Any, ...], visible: Any) -> Read:
-        """COMPILE-4: the read of the joined buffers under `visible` (bool [T]), hidden rows
-        zeroed so that what a trim left behind (a NaN group included) reaches no output."""
+    def _decode_read(self, fields: tuple[Any, ...], visible: Any, active_length: Any) -> Read:
+        """COMPILE-4: the read of the joined buffers under `visible` (bool [T], rows below
+        `active_length`), hidden rows zeroed so that what a trim left behind (a NaN group
+        included) reaches no output."""
         keys, values = self._decode(fields)
         keys, values = self._visible_only(keys, visible), self._visible_only(values, visible)
         return self.dense_read(keys, values, visible)
