@@ -14,11 +14,18 @@ from typing import Any
 import mlx.core as mx
 
 from kvspec.reference.caches import compiled
-from kvspec.reference.caches.compiled import DecodePlan, DecodeSlot, DecodeStepMethods, DecodeTrace
+from kvspec.reference.caches.compiled import (
+    DecodePlan,
+    DecodeRoom,
+    DecodeSlot,
+    DecodeStepMethods,
+    DecodeTrace,
+)
 
 __all__ = [
     "CompiledDecode",
     "DecodePlan",
+    "DecodeRoom",
     "DecodeSlot",
     "DecodeStepMethods",
     "DecodeTrace",

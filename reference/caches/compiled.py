@@ -36,6 +36,16 @@ class DecodePlan:
 
 
 @dataclass(frozen=True)
+class DecodeRoom:
+    """The growth half of a one-position append, not yet adopted (COMPILE-2): the plan, the
+    buffers with room for the position, and a ring's index after RING-2 steps 1 .. 3."""
+
+    plan: DecodePlan
+    fields: tuple[Any, ...]
+    ring_index: int | None
+
+
+@dataclass(frozen=True)
 class DecodeSlot:
     """One cache's part of a step's graph (COMPILE-3).
 
@@ -88,61 +98,56 @@ class DecodeTrace:
 class DecodeStepMethods:
     """COMPILE-2 .. COMPILE-5 for field storage; the growable and ring storages supply
     the growth half (`_decode_room`), the encoding storages their deferred encode and
-    their read. Until the commit the cache itself is untouched: the room is made on a
-    copy, which the commit adopts."""
+    their read. Until the commit the cache itself is untouched: the room is held apart,
+    and the commit adopts it."""
 
-    #: What the last `prepare_decode_step` made: its plan, the copy holding the room, and
-    #: the fields, offset and ring index it was made from.
-    _prepared: tuple[DecodePlan, Any, tuple[Any, ...]] | None = None
+    #: What the last `prepare_decode_step` made, and the fields, offset and ring index it
+    #: was made from.
+    _prepared: tuple[DecodeRoom, tuple[Any, ...]] | None = None
 
     def prepare_decode_step(self) -> DecodePlan:
         """COMPILE-2: room for one more position, as a one-position append makes it (CACHE-3
-        step 1; RING-2 steps 1 .. 3), on a copy of the storage; nothing written."""
+        step 1; RING-2 steps 1 .. 3), held apart from the cache; nothing written."""
         if self._fields is None:
             raise ValueError("a compiled decode step needs a cache holding a layout: prefill first")
-        room = copy.copy(self)
-        room._prepared = None
-        plan = room._decode_room()
-        self._prepared = (plan, room, self._decode_basis())
-        return plan
+        room = self._decode_room()
+        self._prepared = (room, (self._fields, self.offset, self.ring_index))
+        return room.plan
 
-    def _decode_basis(self) -> tuple[Any, ...]:
-        return (self._fields, self.offset, self.ring_index)
-
-    def _room_of(self, plan: DecodePlan) -> Any:
-        """The copy `prepare_decode_step` made for `plan`, if the cache is as it left it."""
-        if self._prepared is None or self._prepared[0] != plan:
+    def _room_of(self, plan: DecodePlan) -> DecodeRoom:
+        """The room `prepare_decode_step` made for `plan`, if the cache is as it left it."""
+        if self._prepared is None or self._prepared[0].plan != plan:
             raise ValueError(f"no prepare_decode_step made {plan}")
-        _, room, (fields, offset, ring_index) = self._prepared
+        room, (fields, offset, ring_index) = self._prepared
         if fields is not self._fields or (offset, ring_index) != (self.offset, self.ring_index):
             raise ValueError("the cache changed after prepare_decode_step")
         return room
 
     def decode_slot(self, plan: DecodePlan) -> DecodeSlot:
         """COMPILE-3: the graph's key, and a trace over a copy of this storage's parameters
-        (no arrays: a compiled graph would keep them as constants)."""
-        fields = self._room_of(plan)._fields
+        made when it traces (no arrays: a compiled graph would keep them as constants)."""
+        fields = self._room_of(plan).fields
         key = (
             type(self).__qualname__,
             self._graph_parameters(),
-            tuple((tuple(field.shape), str(field.dtype)) for field in fields),
+            tuple((field.shape, field.dtype) for field in fields),
         )
-        parameters = copy.copy(self)
-        parameters._fields = None
-        parameters._prepared = None
-        parameters._failure = 0
         count = len(fields)
         encoding = bool(self.deferred_checks)
 
         def trace(inputs: Sequence[Any]) -> DecodeTrace:
-            return DecodeTrace(copy.copy(parameters), tuple(inputs[:count]), inputs[count:])
+            parameters = copy.copy(self)
+            parameters._fields = None
+            parameters._prepared = None
+            parameters._failure = 0
+            return DecodeTrace(parameters, tuple(inputs[:count]), inputs[count:])
 
         return DecodeSlot(key, plan, count + 2 + encoding, count + encoding, trace)
 
     def decode_inputs(self, plan: DecodePlan) -> tuple[Any, ...]:
         """COMPILE-3: the whole buffers, the write position and the active length as int32
         scalars, and an encoding storage's running failure rank (DEFER-3)."""
-        fields = self._room_of(plan)._fields
+        fields = self._room_of(plan).fields
         position = self.xp.array(plan.write_position, dtype=self.xp.int32)
         length = self.xp.array(plan.active_length, dtype=self.xp.int32)
         rank = (self._rank_input(),) if self.deferred_checks else ()
@@ -171,9 +176,9 @@ class DecodeStepMethods:
         self._write_decoded(new, slot.plan.write_position)
         return self.stored_fields()
 
-    def _adopt_room(self, room: Any) -> None:
-        """Take the buffers `_decode_room` made on `room`."""
-        self._fields = room._fields
+    def _adopt_room(self, room: DecodeRoom) -> None:
+        """Take the buffers `room` made."""
+        self._fields = room.fields
 
     def stored_fields(self) -> tuple[Any, ...]:
         """The stored buffers as they are now (none before the first append)."""
