@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -284,6 +285,19 @@ def test_one_graph_per_slot_key(backend) -> None:
         assert len(calls) == 2
     else:
         assert len(calls) == 8
+
+
+def test_only_the_newest_graphs_are_kept(backend) -> None:
+    """COMPILE-6: a key tuple per restored capacity; the oldest graphs are dropped."""
+    cache = _prefilled(backend, lambda m: m.KVCache(), 12)
+    state = cache.state()
+    step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
+    for rows in range(1, 8):
+        arrays = tuple(backend.from_numpy(backend.to_numpy(a)[:, :, :rows]) for a in state.arrays)
+        cache.restore_state(replace(state, arrays=arrays, offset=rows))
+        step(*_decode_args(backend, rows))
+        assert cache.offset == rows + 1
+    assert len(step.graphs) == backend.module("caches.compiled").KEPT_GRAPHS == 4
 
 
 def test_switch_step_reads_plain_then_converted(backend) -> None:

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from kvspec.reference.caches import compiled
 from kvspec.reference.caches.compiled import (
+    KEPT_GRAPHS,
     DecodePlan,
     DecodeRoom,
     DecodeSlot,
@@ -23,6 +24,7 @@ from kvspec.reference.caches.compiled import (
 )
 
 __all__ = [
+    "KEPT_GRAPHS",
     "CompiledDecode",
     "DecodePlan",
     "DecodeRoom",

@@ -204,6 +204,10 @@ class DecodeStepMethods:
         return self.xp.where(visible[:, None], rows, self.xp.zeros_like(rows))
 
 
+#: How many compiled graphs a `CompiledDecode` keeps (COMPILE-6), newest first.
+KEPT_GRAPHS = 4
+
+
 class CompiledDecode:
     """COMPILE-6: `step_fn(traces, *args)` compiled once per tuple of slot keys and replayed;
     each call commits every cache and returns the step's outputs with the stored fields to
@@ -225,6 +229,9 @@ class CompiledDecode:
         inputs = [cache.decode_inputs(plan) for cache, plan in zip(self.caches, plans, strict=True)]
         key = tuple(slot.key for slot in slots)
         if key not in self.graphs:
+            if len(self.graphs) == KEPT_GRAPHS:
+                # Buffers only grow, so an old key rarely returns: keep the newest few.
+                del self.graphs[next(iter(self.graphs))]
             self.graphs[key] = self.compile_graph(self._graph(slots))
         outputs, step_outputs = self.graphs[key](args, inputs)
         stored = [
