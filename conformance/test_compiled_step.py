@@ -429,3 +429,12 @@ def test_misuse_is_rejected(backend) -> None:
     plan = cache.prepare_decode_step()
     with pytest.raises(ValueError, match="outputs"):
         cache.commit_decode_step(cache.decode_slot(plan), [])
+
+    def twice(traces, k, v, queries):
+        traces[0].append_decode(k, v)
+        return attend_each(traces, k, v, queries)
+
+    step = backend.module("caches.compiled").compile_decode(twice, [cache])
+    with pytest.raises(ValueError, match="one position per cache"):
+        step(*_decode_args(backend, 5))
+    assert cache.offset == 4

@@ -79,6 +79,8 @@ class DecodeTrace:
         """COMPILE-4: one position, CACHE-2's layout checks, the deferred encode (DEFER-1),
         the join and the read of rows 0 .. active_length - 1."""
         storage = self._storage
+        if self.outputs:
+            raise ValueError("a compiled decode step appends one position per cache")
         require_same_layout(storage.layout, storage._append_layout(k, v))
         if k.shape[2] != 1:
             raise ValueError(f"a decode appends one position, got {k.shape[2]}")
