@@ -319,8 +319,9 @@ def test_switch_step_reads_plain_then_converted(backend) -> None:
 
 
 def test_deferred_checks_record_the_rank(backend) -> None:
-    """DEFER-3 under COMPILE-5: a deferred cache stores NaN groups, reads NaN as the eager
-    decode does, and `check()` raises the eager message once."""
+    """DEFER-3 under COMPILE-5: a deferred cache stores NaN groups and reads NaN as the eager
+    decode does; the rank runs on through later steps and `check()` raises the eager
+    message once; a NaN row trimmed away reaches no later read (COMPILE-4)."""
     factory = lambda m: m.TurboQuantKVCache(8, 4, checks="deferred")  # noqa: E731
     compiled, eager = _prefilled(backend, factory, 3), _prefilled(backend, factory, 3)
     step = backend.module("caches.compiled").compile_decode(attend_each, [compiled])
@@ -333,21 +334,39 @@ def test_deferred_checks_record_the_rank(backend) -> None:
     want = eager.append_decode(*args[:2]).attend(args[2], 64**-0.5)
     got, want = backend.to_numpy(got), backend.to_numpy(want)
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).any()
+    clean = _decode_args(backend, 8, dtype="float32")
+    step(*clean)
+    eager.append_decode(*clean[:2])
     message = failure_message(DEFERRED_CHECKS, len(DEFERRED_CHECKS))
     for cache in compiled, eager:
         with pytest.raises(ValueError, match=re.escape(message)):
             cache.check()
         cache.check()
     assert_same_state_bits(backend, compiled, eager)
-    # The NaN row trimmed away stays in the buffers beyond the offset: no read may see it.
+    # Rows 3 (NaN) and 4 stay in the buffers beyond the offset: no read may see them.
     for cache in compiled, eager:
-        cache.trim(1)
-    args = _decode_args(backend, 8, dtype="float32")
+        cache.trim(2)
+    args = _decode_args(backend, 9, dtype="float32")
     (got,), _ = step(*args)
     want = eager.append_decode(*args[:2]).attend(args[2], 64**-0.5)
     assert np.isfinite(backend.to_numpy(got)).all()
     np.testing.assert_allclose(backend.to_numpy(got), backend.to_numpy(want), rtol=1e-5, atol=1e-6)
     assert_same_state_bits(backend, compiled, eager)
+
+
+def test_bf16_first_commit_checks_convertible(backend) -> None:
+    """B16F-3 under COMPILE-5: before the switch, a position the converted storage could not
+    hold is refused by the commit, and the cache is as it was."""
+    cache = _prefilled(backend, lambda m: m.Bf16FirstQuantizedKVCache(64, 4, 8), 3)
+    step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
+    k, v, queries = _decode_args(backend, 2)
+    bad = backend.to_numpy(v).copy()
+    bad[0, 1, 0, 5] = np.inf
+    with pytest.raises(ValueError, match="NaN or inf"):
+        step(k, backend.from_numpy(bad), queries)
+    assert cache.offset == 3 and not cache.converted
+    step(k, v, queries)
+    assert cache.offset == 4
 
 
 def test_trace_reads_with_the_cache_kernels(backend) -> None:

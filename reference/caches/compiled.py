@@ -37,12 +37,12 @@ class DecodePlan:
 
 @dataclass(frozen=True)
 class DecodeRoom:
-    """The growth half of a one-position append, not yet adopted (COMPILE-2): the plan, the
-    buffers with room for the position, and a ring's index after RING-2 steps 1 .. 3."""
+    """The growth half of a one-position append, not yet adopted (COMPILE-2): the plan (a
+    ring's write position is its index after RING-2 steps 1 .. 3) and the buffers with
+    room for the position."""
 
     plan: DecodePlan
     fields: tuple[Any, ...]
-    ring_index: int | None
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class GrowingStorage(FieldStorage):
         fields = self._fields
         if prev + 1 > self.capacity:
             fields = self._grown(tuple(field[:, :, :1] for field in fields), prev, 1)
-        return DecodeRoom(DecodePlan(prev, prev + 1), fields, None)
+        return DecodeRoom(DecodePlan(prev, prev + 1), fields)
 
     def _write_decoded(self, new: Fields, position: int) -> None:
         """COMPILE-5: CACHE-3 steps 2 and 3 for the position the plan made room for."""

@@ -104,17 +104,10 @@ class RingStorage(FieldStorage):
         0 .. min(offset + 1, T) - 1, in ring order (RING-4)."""
         assert self._fields is not None
         fields, index = self._ring_room(tuple(field[:, :, :1] for field in self._fields))
-        plan = DecodePlan(index, min(self.offset + 1, fields[0].shape[2]))
-        return DecodeRoom(plan, fields, index)
-
-    def _adopt_room(self, room: DecodeRoom) -> None:
-        """The buffers and the ring index of RING-2 steps 1 .. 3."""
-        assert room.ring_index is not None
-        self._fields = room.fields
-        self._index = room.ring_index
+        return DecodeRoom(DecodePlan(index, min(self.offset + 1, fields[0].shape[2])), fields)
 
     def _write_decoded(self, new: Fields, position: int) -> None:
-        """RING-2 step 4 at row `position`, the ring index."""
+        """RING-2 step 4 at row `position`, the ring index steps 1 .. 3 chose."""
         assert self._fields is not None
         for field, part in zip(self._fields, new, strict=True):
             field[:, :, position : position + 1] = part
