@@ -343,9 +343,10 @@ def test_deferred_checks_record_the_rank(backend) -> None:
             cache.check()
         cache.check()
     assert_same_state_bits(backend, compiled, eager)
-    # Rows 3 (NaN) and 4 stay in the buffers beyond the offset: no read may see them.
+    # Back to offset 2: the step writes row 2, and rows 3 (NaN) and 4 stay in the buffers
+    # beyond it. No read may see them.
     for cache in compiled, eager:
-        cache.trim(2)
+        cache.trim(3)
     args = _decode_args(backend, 9, dtype="float32")
     (got,), _ = step(*args)
     want = eager.append_decode(*args[:2]).attend(args[2], 64**-0.5)
