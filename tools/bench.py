@@ -82,41 +82,43 @@ def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> 
     return timed(run, repeats, warmup)[0]
 
 
+def samples(
+    runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2
+) -> list[tuple[list[float], list[float]]]:
+    """Per run: the wall times of `repeats` evaluated calls and the times to build their
+    graphs on the host, after `warmup` calls; the runs take turns, so that a busy machine
+    slows them alike."""
+    for _ in range(warmup):
+        for run in runs:
+            mx.eval(run())
+    measured: list[tuple[list[float], list[float]]] = [([], []) for _ in runs]
+    for _ in range(repeats):
+        for run, (times, builds) in zip(runs, measured, strict=True):
+            start = time.perf_counter()
+            graph = run()
+            built = time.perf_counter()
+            mx.eval(graph)
+            times.append(time.perf_counter() - start)
+            builds.append(built - start)
+    return measured
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def timed(run: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, float]:
     """Medians of (wall time of one evaluated call, time to build its graph on the host)."""
-    for _ in range(warmup):
-        mx.eval(run())
-    times, builds = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        graph = run()
-        built = time.perf_counter()
-        mx.eval(graph)
-        times.append(time.perf_counter() - start)
-        builds.append(built - start)
-    middle = len(times) // 2
-    return sorted(times)[middle], sorted(builds)[middle]
+    ((times, builds),) = samples([run], repeats, warmup)
+    return median(times), median(builds)
 
 
 def taking_turns(
     runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2
 ) -> list[tuple[float, float]]:
-    """Per run: the fastest wall time of one evaluated call and the median time to build its
-    graph, the runs taking turns so that a busy machine slows them alike."""
-    for _ in range(warmup):
-        for run in runs:
-            mx.eval(run())
-    times: list[list[float]] = [[] for _ in runs]
-    builds: list[list[float]] = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, run_times, run_builds in zip(runs, times, builds, strict=True):
-            start = time.perf_counter()
-            graph = run()
-            built = time.perf_counter()
-            mx.eval(graph)
-            run_times.append(time.perf_counter() - start)
-            run_builds.append(built - start)
-    return [(min(t), sorted(b)[len(b) // 2]) for t, b in zip(times, builds, strict=True)]
+    """Per run, the runs taking turns: the fastest wall time of one evaluated call and the
+    median time to build its graph."""
+    return [(min(times), median(builds)) for times, builds in samples(runs, repeats, warmup)]
 
 
 def read_bandwidth(megabytes: int, repeats: int) -> float:
