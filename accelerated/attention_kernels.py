@@ -434,11 +434,22 @@ _MERGE_SOURCE = r"""
 """
 
 
+#: The compiled decode step's variant reads the live row count from an input (spec
+#: COMPILE-4): its graph passes whole buffers, and the count changes every step.
+_ROWS_FROM_SHAPE = "const int T = k_codes_shape[2];"
+_ROWS_FROM_INPUT = "const int T = min(k_codes_shape[2], rows[0]);"
+assert _PARTIAL_SOURCE.count(_ROWS_FROM_SHAPE) == 1
+
+
 @cache
-def _partial_kernel(shared_bytes: int) -> object:
-    # The dynamic shared memory is fixed per kernel object: one per (G, DV).
+def _partial_kernel(shared_bytes: int, counted: bool = False) -> object:
+    # The dynamic shared memory is fixed per kernel object: one per (G, DV). The counted
+    # variant takes one more input, `rows` (int32 [1]); the plain one is unchanged.
+    source = (
+        _PARTIAL_SOURCE.replace(_ROWS_FROM_SHAPE, _ROWS_FROM_INPUT) if counted else _PARTIAL_SOURCE
+    )
     return mx.fast.cuda_kernel(
-        name="kvspec_decode_attention",
+        name="kvspec_decode_attention_counted" if counted else "kvspec_decode_attention",
         input_names=[
             "queries",
             "k_codes",
@@ -448,9 +459,10 @@ def _partial_kernel(shared_bytes: int) -> object:
             "v_scales",
             "v_biases",
             "table",
+            *(["rows"] if counted else []),
         ],
         output_names=["partial", "stats"],
-        source=_PARTIAL_SOURCE,
+        source=source,
         header=_HEADER,
         ensure_row_contiguous=False,
         shared_memory=shared_bytes,
@@ -589,10 +601,14 @@ def decode_attention(
     table: mx.array | None,
     signs: mx.array | None,
     out_dtype: mx.Dtype,
+    rows: mx.array | None = None,
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row, [B, Hq, 1, Dv]
     in `out_dtype`. `table` is the value codebook and `signs` the sign vector of Dv for
-    TURBO_VALUE (the output is unrotated); None otherwise. Call only when `supported`."""
+    TURBO_VALUE (the output is unrotated); None otherwise. `rows` (int32 [1]), when given,
+    limits the read to the first rows[0] rows as data (COMPILE-4): splits are planned for
+    the whole buffer, and a split past the count reads nothing. Call only when
+    `supported`."""
     B, Hq, N, _ = queries.shape
     _, Hk, T, _ = keys.codes.shape
     codebook = table if table is not None else _placeholder(mx.float32)
@@ -608,8 +624,14 @@ def decode_attention(
     splits = _splits(T, B * Hk)
     threads = WARPS * 32
     DV = values.dim
-    partial, stats = _partial_kernel(plan.shared_bytes)(
-        inputs=[queries, *_fields(keys), *_fields(values), codebook],
+    partial, stats = _partial_kernel(plan.shared_bytes, rows is not None)(
+        inputs=[
+            queries,
+            *_fields(keys),
+            *_fields(values),
+            codebook,
+            *([] if rows is None else [rows]),
+        ],
         template=plan.partial_template,
         grid=(splits * threads, B * Hk, 1),
         threadgroup=(threads, 1, 1),

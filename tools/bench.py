@@ -5,9 +5,11 @@ A decode step per layer is `cache.append_decode(k, v).attend(q, scale)`; LAYERS 
 with its own cache, are evaluated in one `mx.eval` and the time is divided by LAYERS (one
 layer per evaluation would measure MLX's per-evaluation overhead). Beside every kind: bare
 `mx.fast.scaled_dot_product_attention` over bf16 keys and values (no append) and an
-mlx-lm-style quantized attention (4-bit g64, no append). Each read's attention alone is
-also timed against its byte floor: the bytes it must read over the plain-read bandwidth
-measured in this run. Absolute times mean something only on the GPU machine.
+mlx-lm-style quantized attention (4-bit g64, no append). The same step compiled (spec
+COMPILE-6: all layers in one `mx.compile`d graph, replayed) is timed against the eager
+step, the two taking turns on the same caches (fastest of the repeats). Each read's
+attention alone is also timed against its byte floor: the bytes it must read over the
+plain-read bandwidth measured in this run. Absolute times mean something only on the GPU machine.
 
     python tools/bench.py                       # the table at 1k .. 128k positions
     python tools/bench.py --contexts 4096 --json rows.json
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 
 from kvspec.accelerated import affine, caches, turboquant
+from kvspec.accelerated.caches.compiled import compile_decode
 
 KV_HEADS = 8
 QUERY_HEADS = 32
@@ -59,7 +62,8 @@ KINDS: dict[str, Callable[[int], caches.Cache]] = {
 @dataclass
 class Row:
     """One measurement: per-layer microseconds (one call for encodes), and its ratio to bare
-    bf16 SDPA at the same context (copy time / encode time for encodes); bytes per token of
+    bf16 SDPA at the same context (compiled steps: to the eager step; encodes: copy time /
+    encode time); bytes per token of
     the kind; for reads, the byte floor (the kind's bytes at the plain-read bandwidth) over
     the read's device time (wall time less the host's graph building, `host_us`)."""
 
@@ -78,20 +82,43 @@ def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> 
     return timed(run, repeats, warmup)[0]
 
 
+def samples(
+    runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2
+) -> list[tuple[list[float], list[float]]]:
+    """Per run: the wall times of `repeats` evaluated calls and the times to build their
+    graphs on the host, after `warmup` calls; the runs take turns, so that a busy machine
+    slows them alike."""
+    for _ in range(warmup):
+        for run in runs:
+            mx.eval(run())
+    measured: list[tuple[list[float], list[float]]] = [([], []) for _ in runs]
+    for _ in range(repeats):
+        for run, (times, builds) in zip(runs, measured, strict=True):
+            start = time.perf_counter()
+            graph = run()
+            built = time.perf_counter()
+            mx.eval(graph)
+            times.append(time.perf_counter() - start)
+            builds.append(built - start)
+    return measured
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def timed(run: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, float]:
     """Medians of (wall time of one evaluated call, time to build its graph on the host)."""
-    for _ in range(warmup):
-        mx.eval(run())
-    times, builds = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        graph = run()
-        built = time.perf_counter()
-        mx.eval(graph)
-        times.append(time.perf_counter() - start)
-        builds.append(built - start)
-    middle = len(times) // 2
-    return sorted(times)[middle], sorted(builds)[middle]
+    ((times, builds),) = samples([run], repeats, warmup)
+    return median(times), median(builds)
+
+
+def taking_turns(
+    runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2
+) -> list[tuple[float, float]]:
+    """Per run, the runs taking turns: the fastest wall time of one evaluated call and the
+    median time to build its graph."""
+    return [(min(times), median(builds)) for times, builds in samples(runs, repeats, warmup)]
 
 
 def read_bandwidth(megabytes: int, repeats: int) -> float:
@@ -193,10 +220,41 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
                 attend_host * 1e6,
             )
         )
+        (eager, _), (compiled, compiled_host) = taking_turns(
+            [
+                lambda cs=layer_caches: [c.append_decode(k1, v1).attend(q, scale) for c in cs],
+                compiled_step(layer_caches, k1, v1, q),
+            ],
+            repeats,
+        )
+        rows.append(
+            Row(
+                "compiled",
+                name,
+                context,
+                compiled / layers * 1e6,
+                compiled / eager,
+                per_token,
+                host_us=compiled_host / layers * 1e6,
+            )
+        )
         for cache in layer_caches:
             cache.check()
         del layer_caches, reads
     return rows
+
+
+def compiled_step(
+    layer_caches: list[caches.Cache], k: mx.array, v: mx.array, q: mx.array
+) -> Callable[[], object]:
+    """The same decode step over every layer as one compiled graph (spec COMPILE-6)."""
+    scale = HEAD_DIM**-0.5
+
+    def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list[mx.array]:
+        return [trace.append_decode(k, v).attend(q, scale) for trace in traces]
+
+    step = compile_decode(step_fn, layer_caches)
+    return lambda: step(k, v, q)
 
 
 def encode_rows(positions: int, repeats: int) -> list[Row]:
@@ -229,12 +287,14 @@ def _arrays(result: object) -> list[mx.array]:
 
 def print_rows(rows: list[Row]) -> None:
     width = max(len(row.what) for row in rows)
-    for table in ("step", "attend", "encode"):
+    for table in ("step", "compiled", "attend", "encode"):
         chosen = [row for row in rows if row.table == table]
         if not chosen:
             continue
         if table == "encode":
             print("\nencode: one call over all positions  (ratio: copy time / encode time)")
+        elif table == "compiled":
+            print("\ncompiled: the step as one compiled graph, per layer  (ratio: fastest x eager)")
         else:
             print(f"\n{table}: per layer  (ratio: x bare bf16 SDPA; floor: byte floor / device)")
         header = f"{'context':>7}  {'us':>8}  {'ratio':>6}  {'B/token':>7}  {'floor':>5}  host"

@@ -65,8 +65,8 @@ CATALOGUE = (
     Mutant(
         "ring-wraps-early",
         "reference/caches/rotating.py",
-        "        if self._index == self.max_size:\n",
-        "        if self._index >= self.max_size - 1 and self.offset >= self.max_size:\n",
+        "        if index == self.max_size:\n",
+        "        if index >= self.max_size - 1 and self.offset >= self.max_size:\n",
         "a full ring wraps to keep one slot early (RING-2)",
         (f"{RING}::test_rotating_kv_cache_machine",),
     ),
@@ -230,8 +230,8 @@ CATALOGUE = (
     Mutant(
         "turboquant-key-round-half-away",
         "reference/turboquant.py",
-        "    codes = np.rint(shifted)\n",
-        "    codes = np.trunc(shifted + np.copysign(np.float32(0.5), shifted))\n",
+        "        codes = np.rint(shifted)\n",
+        "        codes = np.trunc(shifted + np.copysign(np.float32(0.5), shifted))\n",
         "TurboQuant key codes round half away from zero (TQ-4, CONV-2)",
         (EDGES,),
     ),
@@ -246,7 +246,7 @@ CATALOGUE = (
     Mutant(
         "turboquant-constant-key-group",
         "reference/turboquant.py",
-        "    scale = np.where(constant, np.abs(top), scale)\n",
+        "        scale = np.where(constant, np.abs(top), scale)\n",
         "",
         "a constant key group keeps TQ-4's scale 0 instead of its magnitude (TQ-11)",
         (EDGES,),

@@ -17,6 +17,7 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
     steps = {row["what"] for row in rows if row["table"] == "step"}
     assert set(bench.KINDS) <= steps
     assert {"bare bf16 SDPA (no append)", "mlx-lm quantized attention 4-bit g64"} <= steps
+    assert {row["what"] for row in rows if row["table"] == "compiled"} == set(bench.KINDS)
     reads = [row for row in rows if row["table"] == "attend"]
     assert {row["what"] for row in reads} == set(bench.KINDS)
     for row in rows:

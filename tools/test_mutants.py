@@ -27,6 +27,10 @@ def test_every_mutant_applies_once() -> None:
     for mutant in mutants.CATALOGUE:
         text = (mutants.PROJECT / mutant.path).read_text()
         assert text.count(mutant.before) == 1, f"{mutant.name} no longer applies"
+        if mutant.before.endswith("\n"):
+            # A whole-line fault must match whole lines: a re-indented line still contains
+            # the old text and would be cut mid-indent.
+            assert ("\n" + text).count("\n" + mutant.before) == 1, f"{mutant.name} cuts a line"
         for test in mutant.tests:
             assert (mutants.PROJECT / test.partition("::")[0]).is_file(), test
 

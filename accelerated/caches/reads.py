@@ -48,6 +48,9 @@ class StoredRead:
     codebook: mx.array | None
     signs: mx.array | None
     decoded: Callable[[], Read]
+    #: The compiled step's live row count as data (int32 [1], COMPILE-4): the kernels read
+    #: the first rows[0] rows of whole buffers. None: every row of the key codes.
+    rows: mx.array | None = None
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows."""
@@ -62,7 +65,14 @@ class StoredRead:
         check_queries(queries, (B, codes.shape[1], codes.shape[2], self.keys.dim), self.read_dtype)
         # The kernels widen the queries themselves; the output is in the read's format.
         return attention_kernels.decode_attention(
-            queries, self.keys, self.values, scale, self.codebook, self.signs, self.read_dtype
+            queries,
+            self.keys,
+            self.values,
+            scale,
+            self.codebook,
+            self.signs,
+            self.read_dtype,
+            self.rows,
         )
 
 
@@ -103,6 +113,20 @@ class ReadMethods(reads.ReadMethods):
 
         return StoredRead(keys, values, read_dtype, codebook, signs, decoded)
 
+    def _decode_read(self, fields: Fields, visible: mx.array, active_length: mx.array) -> Read:
+        """COMPILE-4 with READ-7: on CUDA the kernels read the first `active_length` rows of
+        the joined buffers where they lie; elsewhere (and for several query positions) the
+        portable read of the decoded buffers under `visible`."""
+        assert self.layout is not None
+        keys, values, codebook, signs = self._stored_sides(fields)
+        read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
+
+        def decoded() -> Read:
+            return super(ReadMethods, self)._decode_read(fields, visible, active_length)
+
+        rows = active_length.reshape(1)
+        return StoredRead(keys, values, read_dtype, codebook, signs, decoded, rows)
+
     def _read_of(self, live: Fields) -> Read:
         """READ-2's read of live fields, decoded."""
         return self.dense_read(*self._decode(live), None)
@@ -119,6 +143,12 @@ class ReadMethods(reads.ReadMethods):
             None,
             None,
         )
+
+    def _rank_input(self) -> mx.array:
+        """The running rank as the compiled step reads it (COMPILE-3): uint32 [1], zero
+        before the first record."""
+        failure = running(self)
+        return mx.zeros((1,), mx.uint32) if failure is None else failure
 
     def _record_failure(self, fields: Fields, failure: mx.array) -> Fields:
         """DEFER-3: keep the running rank as a lazy uint32 [1], and return the fields to

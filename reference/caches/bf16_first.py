@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from collections.abc import Sequence
 
 import numpy as np
 
+from kvspec.reference.caches.compiled import DecodePlan, DecodeSlot
 from kvspec.reference.caches.kv import KVCache
 from kvspec.reference.caches.protocol import (
     A,
@@ -193,6 +195,27 @@ class Bf16FirstCache(Cache[A]):
         )
         self._settle()
         return read
+
+    def prepare_decode_step(self) -> DecodePlan:
+        """COMPILE-2 on the storage held (B16F-2)."""
+        return self.storage.prepare_decode_step()
+
+    def decode_slot(self, plan: DecodePlan) -> DecodeSlot:
+        """COMPILE-3: the held storage's slot; the switch changes its key."""
+        return self.storage.decode_slot(plan)
+
+    def decode_inputs(self, plan: DecodePlan) -> tuple[A, ...]:
+        return self.storage.decode_inputs(plan)
+
+    def commit_decode_step(self, slot: DecodeSlot, outputs: Sequence[A]) -> tuple[A, ...]:
+        """COMPILE-5 on the storage held, then the switch the append owes (B16F-2): plain
+        storage's outputs are the new position's k and v, checked as convertible first
+        (B16F-3). Returns the fields held after the switch."""
+        if self._plain is not None:
+            self._check_convertible(*outputs)
+        self.storage.commit_decode_step(slot, outputs)
+        self._settle()
+        return self.storage.stored_fields()
 
     def max_append_tokens(self) -> float:
         """B16F-5: positions an append may add before the switch, start - offset; math.inf

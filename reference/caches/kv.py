@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvspec.reference.caches.compiled import DecodePlan, DecodeRoom
 from kvspec.reference.caches.protocol import (
     CacheState,
     Mask,
@@ -78,6 +79,23 @@ class GrowingStorage(FieldStorage):
             self.xp.concatenate([field, extra], axis=2)
             for field, extra in zip(kept, room, strict=True)
         )
+
+    def _decode_room(self) -> DecodeRoom:
+        """COMPILE-2: CACHE-3 step 1 for one position; the step writes row offset and reads
+        rows 0 .. offset."""
+        assert self._fields is not None
+        prev = self.offset
+        fields = self._fields
+        if prev + 1 > self.capacity:
+            fields = self._grown(tuple(field[:, :, :1] for field in fields), prev, 1)
+        return DecodeRoom(DecodePlan(prev, prev + 1), fields)
+
+    def _write_decoded(self, new: Fields, position: int) -> None:
+        """COMPILE-5: CACHE-3 steps 2 and 3 for the position the plan made room for."""
+        assert self._fields is not None
+        for field, part in zip(self._fields, new, strict=True):
+            field[:, :, position : position + 1] = part
+        self.offset = position + 1
 
     def _live_rows(self) -> int:
         """How many leading buffer rows are live: the offset (CACHE-3)."""

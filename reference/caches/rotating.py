@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvspec.reference.caches.compiled import DecodePlan, DecodeRoom
 from kvspec.reference.caches.kv import STEP
 from kvspec.reference.caches.protocol import (
     CacheState,
@@ -70,30 +71,48 @@ class RingStorage(FieldStorage):
 
     def _update_in_place(self, new: Fields) -> None:
         """RING-2."""
+        self._fields, self._index = self._ring_room(new)
+        self._write_decoded(new, self._index)
+
+    def _ring_room(self, new: Fields) -> tuple[Fields, int]:
+        """RING-2 steps 1 .. 3 for one position shaped as `new`: the buffers and the ring
+        index to write at (the cache itself unchanged)."""
         prev = self.offset
-        if self._fields is None or (prev >= self.length and self.length < self.max_size):
+        fields, index = self._fields, self._index
+        if fields is None or (prev >= self.length and self.length < self.max_size):
             # Grow by a step, never past max_size.
             size = min(STEP, self.max_size - prev)
             room = tuple(self.xp.zeros((*p.shape[:2], size, p.shape[3]), p.dtype) for p in new)
-            if self._fields is None:
-                self._fields = room
+            if fields is None:
+                fields = room
             else:
-                self._fields = tuple(
-                    self.xp.concatenate([f, r], axis=2)
-                    for f, r in zip(self._fields, room, strict=True)
+                fields = tuple(
+                    self.xp.concatenate([f, r], axis=2) for f, r in zip(fields, room, strict=True)
                 )
-            self._index = prev
-        excess = self.length - self.max_size
+            index = prev
+        excess = fields[0].shape[2] - self.max_size
         if excess > 0:
             # A multi-position update left more than max_size: drop the oldest after keep.
-            self._fields = self._evicted(excess, self._fields)
-            self._index = self.max_size
-        if self._index == self.max_size:
-            self._index = self.keep
+            fields = self._evicted(excess, fields)
+            index = self.max_size
+        if index == self.max_size:
+            index = self.keep
+        return fields, index
+
+    def _decode_room(self) -> DecodeRoom:
+        """COMPILE-2, RING-2 steps 1 .. 3: the step writes row i and reads rows
+        0 .. min(offset + 1, T) - 1, in ring order (RING-4)."""
+        assert self._fields is not None
+        fields, index = self._ring_room(tuple(field[:, :, :1] for field in self._fields))
+        return DecodeRoom(DecodePlan(index, min(self.offset + 1, fields[0].shape[2])), fields)
+
+    def _write_decoded(self, new: Fields, position: int) -> None:
+        """RING-2 step 4 at row `position`, the ring index steps 1 .. 3 chose."""
+        assert self._fields is not None
         for field, part in zip(self._fields, new, strict=True):
-            field[:, :, self._index : self._index + 1] = part
-        self.offset = prev + 1
-        self._index += 1
+            field[:, :, position : position + 1] = part
+        self.offset += 1
+        self._index = position + 1
 
     def _update_concat(self, new: Fields) -> None:
         """RING-3."""

@@ -8,6 +8,7 @@ from abc import abstractmethod
 
 import numpy as np
 
+from kvspec.reference.caches.compiled import DecodeStepMethods
 from kvspec.reference.caches.protocol import (
     KvLayout,
     check_checks,
@@ -20,10 +21,11 @@ from kvspec.reference.deferred import failure_message
 Fields = tuple[np.ndarray, ...]
 
 
-class FieldStorage(ReadMethods):
+class FieldStorage(DecodeStepMethods, ReadMethods):
     """Stored fields (None until the first append), their layout, offset and minimum
     reusable offset (CACHE-1). Subclasses say how positions are encoded into fields and
-    decoded back, and which stored rows are live."""
+    decoded back, and which stored rows are live; a compiled decode step drives them
+    through DecodeStepMethods (COMPILE-2 .. COMPILE-5)."""
 
     #: The value checks a deferred encode of this storage ranks (DEFER-2); none when the
     #: storage keeps positions as given.

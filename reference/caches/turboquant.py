@@ -133,6 +133,19 @@ class TurboQuantKVCache(GrowingStorage):
         keys, rotated = self.update_and_fetch_deferred_v(k, v)
         return self.deferred_read(keys, rotated, mask)
 
+    def _graph_parameters(self) -> tuple[str, str]:
+        """COMPILE-3: the kernels decide the read the step traces (TQC-4)."""
+        return self.signature(), self.kernels
+
+    def _decode_read(self, fields: Fields, visible: np.ndarray, active_length: np.ndarray) -> Read:
+        """COMPILE-4 with this cache's kernels (TQC-4)."""
+        if self.kernels == "dense":
+            return super()._decode_read(fields, visible, active_length)
+        t, head_dim = self._tensor_and_head_dim(fields)
+        keys, rotated = self.turboquant.decode(t, t.k_idx.shape[2], head_dim, defer_v=True)
+        keys, rotated = self._visible_only(keys, visible), self._visible_only(rotated, visible)
+        return self.deferred_read(keys, rotated, visible)
+
     @classmethod
     def from_kv_cache(
         cls,

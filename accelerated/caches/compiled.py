@@ -1,0 +1,50 @@
+"""The compiled decode step on MLX (spec COMPILE-1 .. COMPILE-6): the reference's contract,
+the step's graph compiled with `mx.compile` once per tuple of slot keys and replayed.
+
+The traced graph holds every op of the eager step but the write: the encode (on CUDA the
+fused encode kernels), the join and the read. It sees whole buffers with the write
+position and the live length as data, so replaying it builds no graph in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvspec.reference.caches import compiled
+from kvspec.reference.caches.compiled import (
+    KEPT_GRAPHS,
+    DecodePlan,
+    DecodeRoom,
+    DecodeSlot,
+    DecodeStepMethods,
+    DecodeTrace,
+)
+
+__all__ = [
+    "KEPT_GRAPHS",
+    "CompiledDecode",
+    "DecodePlan",
+    "DecodeRoom",
+    "DecodeSlot",
+    "DecodeStepMethods",
+    "DecodeTrace",
+    "compile_decode",
+]
+
+
+class CompiledDecode(compiled.CompiledDecode):
+    """COMPILE-6 with `mx.compile`: one compiled graph per tuple of slot keys."""
+
+    @staticmethod
+    def compile_graph(graph: Callable[..., Any]) -> Callable[..., Any]:
+        return mx.compile(graph)
+
+
+def compile_decode(step_fn: Callable[..., Any], caches: Sequence[Any]) -> CompiledDecode:
+    """COMPILE-6: `step_fn(traces, *args)` over the MLX `caches`, compiled; returns
+    `step(*args) -> (outputs, stored)`, where `stored` are the buffers to evaluate with
+    the outputs (`mx.eval(outputs, stored)`)."""
+    return CompiledDecode(step_fn, caches)

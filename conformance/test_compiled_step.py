@@ -1,0 +1,462 @@
+"""The compiled decode step (COMPILE-1 .. COMPILE-6) against the reference's eager decode.
+
+The model is the reference cache driven by `append_decode` (READ-2), which shares no code
+with the step's plan, trace and commit. For every cache kind and scheme, N compiled steps
+store the model's bits (and the backend's own eager steps' bits) and read within READ-1's
+bound (TQC-4's for deferred TurboQuant reads); a state machine mixes compiled steps with
+eager appends, trims, state round trips and bad input. Explicit cases: recompiles only
+when a slot key changes, the bf16-first switch in the commit, deferred and eager checks,
+misuse of the four calls.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from kvspec.conformance.backend import Backend
+from kvspec.conformance.bounds import read_bound
+from kvspec.conformance.cache_machine import (
+    CacheMachine,
+    assert_read_matches_model,
+    assert_same_state,
+    random_kv,
+    run_machine,
+)
+from kvspec.conformance.compare import assert_same_bits
+from kvspec.reference import caches as reference
+from kvspec.reference.caches.compiled import DecodePlan
+from kvspec.reference.caches.reads import DenseRead
+from kvspec.reference.caches.turboquant import KERNELS, DeferredRead
+from kvspec.reference.deferred import failure_message
+from kvspec.reference.dtypes import FLOAT_DTYPES
+from kvspec.reference.turboquant import DEFERRED_CHECKS
+
+#: Every storage kind and scheme: (id, factory of a cache from a `caches` module and a
+#: checks mode, head_dim). Small rings wrap within a test's steps; bf16-first starts fall
+#: inside them.
+KINDS: list[tuple[str, Callable[[ModuleType, str], Any], int]] = [
+    ("kv", lambda m, checks: m.KVCache(), 64),
+    ("ring", lambda m, checks: m.RotatingKVCache(5), 64),
+    ("ring keep 2", lambda m, checks: m.RotatingKVCache(6, 2), 32),
+    ("affine 4/64", lambda m, checks: m.QuantizedKVCache(64, 4, checks), 64),
+    ("affine 3/32", lambda m, checks: m.QuantizedKVCache(32, 3, checks), 64),
+    ("affine 8/32", lambda m, checks: m.QuantizedKVCache(32, 8, checks), 32),
+    ("affine ring 4/32", lambda m, checks: m.RotatingQuantizedKVCache(5, 32, 4, 0, checks), 32),
+    (
+        "affine ring 6/32 keep 1",
+        lambda m, checks: m.RotatingQuantizedKVCache(6, 32, 6, 1, checks),
+        64,
+    ),
+    ("turbo k8v4 dense", lambda m, checks: m.TurboQuantKVCache(8, 4, "dense", checks), 64),
+    ("turbo k8v4 deferred", lambda m, checks: m.TurboQuantKVCache(8, 4, "deferred", checks), 64),
+    ("turbo k4v3 dense", lambda m, checks: m.TurboQuantKVCache(4, 3, "dense", checks), 128),
+    ("turbo k3v2 deferred", lambda m, checks: m.TurboQuantKVCache(3, 2, "deferred", checks), 64),
+    ("bf16-first affine 4/32", lambda m, checks: m.Bf16FirstQuantizedKVCache(32, 4, 6, checks), 64),
+    (
+        "bf16-first affine ring 8/32",
+        lambda m, checks: m.Bf16FirstRotatingQuantizedKVCache(5, 32, 8, 4, checks),
+        32,
+    ),
+    ("bf16-first kv4 head 256", lambda m, checks: m.Bf16FirstKv4Head256Cache(5, checks), 256),
+    (
+        "scheme turbo:k8v4",
+        lambda m, checks: m.composed_full_attention_cache(
+            reference.parse_scheme("turbo:k8v4"), 0, checks
+        ),
+        64,
+    ),
+    (
+        "scheme turbo:k4v4:deferred:start=6",
+        lambda m, checks: m.composed_full_attention_cache(
+            reference.parse_scheme("turbo:k4v4:deferred:start=6"), 0, checks
+        ),
+        64,
+    ),
+    (
+        "scheme affine:2:32 start 0",
+        lambda m, checks: m.composed_full_attention_cache(
+            reference.parse_scheme("affine:2:32"), 0, checks
+        ),
+        32,
+    ),
+]
+
+KV_HEADS = 2
+QUERY_HEADS = 4
+
+
+def _examples() -> int:
+    """A compile per example: a tenth of the loaded profile's examples, at least 4."""
+    return max(4, settings.default.max_examples // 10)
+
+
+def attend_each(traces: list[Any], k: Any, v: Any, queries: Any) -> list[Any]:
+    """The decode step a model runs per layer: one position appended, one query read."""
+    scale = float(queries.shape[-1]) ** -0.5
+    return [trace.append_decode(k, v).attend(queries, scale) for trace in traces]
+
+
+def _queries(seed: int, head_dim: int, dtype: np.dtype) -> np.ndarray:
+    rng = np.random.default_rng(seed + 1)
+    return rng.standard_normal((1, QUERY_HEADS, 1, head_dim)).astype(dtype)
+
+
+def _assert_within_bound(expected_read: Any, got: Any, queries: np.ndarray, backend) -> None:
+    scale = float(queries.shape[-1]) ** -0.5
+    want = expected_read.attend(queries, scale).astype(np.float64)
+    actual = backend.to_numpy(got).astype(np.float64)
+    assert actual.shape == want.shape
+    bound = read_bound(queries, expected_read, scale, backend.attention_roundoff)
+    error = np.abs(actual - want)
+    assert np.all(error <= bound), f"compiled read error {error.max()} > bound {bound.min()}"
+
+
+class Session:
+    """A reference cache under eager decodes (the model), and two backend caches of the same
+    kind: one under the compiled step, one under eager decodes."""
+
+    def __init__(self, backend: Backend, factory, checks: str, head_dim: int, dtype) -> None:
+        self.backend = backend
+        self.head_dim, self.dtype = head_dim, dtype
+        caches = backend.module("caches")
+        self.model = factory(reference, checks)
+        self.compiled_cache = factory(caches, checks)
+        self.eager_cache = factory(caches, checks)
+        self.step = backend.module("caches.compiled").compile_decode(
+            attend_each, [self.compiled_cache]
+        )
+
+    def kv(self, seed: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return random_kv(seed, (1, KV_HEADS, length, self.head_dim), self.head_dim, self.dtype)
+
+    def prefill(self, seed: int, length: int) -> None:
+        k, v = self.kv(seed, length)
+        self.model.append_window(k, v)
+        for cache in self.compiled_cache, self.eager_cache:
+            cache.append_window(self.backend.from_numpy(k), self.backend.from_numpy(v))
+
+    def decode(self, seed: int) -> None:
+        """One step on all three; the compiled read within the bound of the model's, every
+        stored bit the model's."""
+        k, v = self.kv(seed, 1)
+        queries = _queries(seed, self.head_dim, self.dtype)
+        expected = self.model.append_decode(k, v)
+        on_backend = [self.backend.from_numpy(a) for a in (k, v, queries)]
+        self.eager_cache.append_decode(*on_backend[:2])
+        (got,), _ = self.step(*on_backend)
+        _assert_within_bound(expected, got, queries, self.backend)
+        assert_same_state(self.model, self.compiled_cache, self.backend)
+        assert_same_state(self.model, self.eager_cache, self.backend)
+        self.compiled_cache.check_invariants()
+
+
+@pytest.mark.parametrize("checks", ["eager", "deferred"])
+@pytest.mark.parametrize(("factory", "head_dim"), [k[1:] for k in KINDS], ids=[k[0] for k in KINDS])
+def test_compiled_steps_store_the_eager_bits(backend, factory, head_dim, checks) -> None:
+    """COMPILE-1: N compiled steps store what N eager decodes store, reads within bound."""
+
+    @settings(max_examples=_examples())
+    @given(
+        seed=st.integers(0, 2**32 - 1),
+        prefill=st.integers(1, 9),
+        steps=st.integers(1, 9),
+        dtype=st.sampled_from(sorted(FLOAT_DTYPES)),
+    )
+    def run(seed, prefill, steps, dtype) -> None:
+        session = Session(backend, factory, checks, head_dim, FLOAT_DTYPES[dtype])
+        session.prefill(seed, prefill)
+        for i in range(steps):
+            session.decode(seed + 1 + i)
+
+    run()
+
+
+class CompiledStepMachine(CacheMachine):
+    """The cache machine with compiled steps among its operations: the backend cache steps
+    through `compile_decode`, the reference through `append_decode`."""
+
+    def _compiled(self):
+        """The compiled step over the backend cache held now (rules may replace it)."""
+        if getattr(self, "_step_cache", None) is not self.got:
+            compiled = self.backend.module("caches.compiled")
+            self._step = compiled.compile_decode(attend_each, [self.got])
+            self._step_cache = self.got
+        return self._step
+
+    def _fill(self, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        k, v = self._kv(seed, 1)
+        return k, v, self._queries(seed, 1)
+
+    @precondition(lambda self: self.ref.layout is not None)
+    @rule(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 3))
+    def compiled_decode(self, seed, steps) -> None:
+        for i in range(steps):
+            k, v, queries = self._fill(seed + i)
+            expected = self.ref.append_decode(k, v)
+            (got,), _ = self._compiled()(*(self.backend.from_numpy(a) for a in (k, v, queries)))
+            assert_read_matches_model(self.model.append(k, v), expected, queries)
+            _assert_within_bound(expected, got, queries, self.backend)
+
+    @precondition(lambda self: self.ref.layout is not None)
+    @rule(seed=st.integers(0, 2**32 - 1), bad=st.sampled_from(["nan", "head_dim", "length"]))
+    def bad_compiled_decode(self, seed, bad) -> None:
+        """CACHE-2, COMPILE-5: what an eager decode rejects, the compiled step rejects, and
+        neither cache changes."""
+        k, v, queries = self._fill(seed)
+        if bad == "nan":
+            if not self._rejects_nan():
+                return
+            v[0, 0, 0, 0] = np.nan
+        elif bad == "head_dim":
+            k = np.concatenate([k, k], axis=-1)
+        else:
+            k, v = np.concatenate([k, k], axis=2), np.concatenate([v, v], axis=2)
+
+        def decode(cache, convert):
+            if cache is self.got:
+                return self._compiled()(convert(k), convert(v), convert(queries))
+            return cache.append_decode(convert(k), convert(v))
+
+        self._expect_rejected(decode)
+
+
+@st.composite
+def machine_kinds(draw: st.DrawFn):
+    """(factory, head_dim, group_size) of CacheMachine over every kind (eager checks)."""
+    _, factory, head_dim = draw(st.sampled_from(KINDS))
+    return (lambda m: factory(m, "eager"), head_dim, None)
+
+
+def test_compiled_step_machine(backend) -> None:
+    run_machine(backend, machine_kinds(), CompiledStepMachine)
+
+
+# -- explicit cases ------------------------------------------------------------------------
+
+
+def _prefilled(backend, factory, length: int, head_dim: int = 64, seed: int = 0):
+    cache = factory(backend.module("caches"))
+    k, v = random_kv(seed, (1, KV_HEADS, length, head_dim), head_dim, FLOAT_DTYPES["bfloat16"])
+    cache.append_window(backend.from_numpy(k), backend.from_numpy(v))
+    return cache
+
+
+def _decode_args(backend, seed: int, head_dim: int = 64, dtype: str = "bfloat16"):
+    k, v = random_kv(seed, (1, KV_HEADS, 1, head_dim), head_dim, FLOAT_DTYPES[dtype])
+    return [backend.from_numpy(a) for a in (k, v, _queries(seed, head_dim, FLOAT_DTYPES[dtype]))]
+
+
+def _counting_step(backend, caches: list[Any]):
+    """A compiled step that counts how often its Python step function runs."""
+    calls = []
+
+    def step_fn(traces, k, v, queries):
+        calls.append(1)
+        return attend_each(traces, k, v, queries)
+
+    return backend.module("caches.compiled").compile_decode(step_fn, caches), calls
+
+
+def test_one_graph_per_slot_key(backend) -> None:
+    """COMPILE-3, COMPILE-6: a growable cache recompiles when it grows (every 256 positions),
+    a full ring never, a bf16-first cache at its switch; in between the graph is replayed
+    (with mx.compile the step function runs once per graph)."""
+    caches = [
+        _prefilled(backend, lambda m: m.QuantizedKVCache(64, 4), 253),
+        _prefilled(backend, lambda m: m.RotatingKVCache(8), 12),
+        _prefilled(backend, lambda m: m.Bf16FirstTurboQuantKVCache(8, 4, 253), 250),
+    ]
+    step, calls = _counting_step(backend, caches)
+    for seed in range(8):
+        step(*_decode_args(backend, seed))
+    # The growable cache grows at offset 256 and the bf16-first one switches at 253 and
+    # grows its converted storage (capacity 253) on the same step: steps 0..2, 3..7.
+    assert len(step.graphs) == 2
+    assert caches[0].offset == 261 and caches[2].converted and caches[2].offset == 258
+    if backend.package == "kvspec.accelerated":
+        assert len(calls) == 2
+    else:
+        assert len(calls) == 8
+
+
+def test_only_the_newest_graphs_are_kept(backend) -> None:
+    """COMPILE-6: a key tuple per restored capacity; the oldest graphs are dropped."""
+    cache = _prefilled(backend, lambda m: m.KVCache(), 12)
+    state = cache.state()
+    step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
+    for rows in range(1, 8):
+        arrays = tuple(backend.from_numpy(backend.to_numpy(a)[:, :, :rows]) for a in state.arrays)
+        cache.restore_state(replace(state, arrays=arrays, offset=rows))
+        step(*_decode_args(backend, rows))
+        assert cache.offset == rows + 1
+    assert len(step.graphs) == backend.module("caches.compiled").KEPT_GRAPHS == 4
+
+
+def test_switch_step_reads_plain_then_converted(backend) -> None:
+    """B16F-2 under COMPILE-5: the due step runs the plain graph (it reads as the eager due
+    decode reads: bf16 on MLX), the commit switches, the next step reads the converted
+    storage (float32)."""
+    factory = lambda m: m.Bf16FirstTurboQuantKVCache(8, 4, 4)  # noqa: E731
+    cache, eager = _prefilled(backend, factory, 3), _prefilled(backend, factory, 3)
+    step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
+    for seed, converted_fields in (1, 5), (2, 5):
+        k, v, queries = _decode_args(backend, seed)
+        (got,), stored = step(k, v, queries)
+        want = eager.append_decode(k, v).attend(queries, 64**-0.5)
+        assert cache.converted and eager.converted and cache.offset == eager.offset
+        assert backend.to_numpy(got).dtype == backend.to_numpy(want).dtype
+        assert len(stored[0]) == converted_fields
+        assert_same_state_bits(backend, cache, eager)
+    assert len(step.graphs) == 2
+
+
+def test_deferred_checks_record_the_rank(backend) -> None:
+    """DEFER-3 under COMPILE-5: a deferred cache stores NaN groups and reads NaN as the eager
+    decode does; the rank runs on through later steps and `check()` raises the eager
+    message once; a NaN row trimmed away reaches no later read (COMPILE-4)."""
+    factory = lambda m: m.TurboQuantKVCache(8, 4, checks="deferred")  # noqa: E731
+    compiled, eager = _prefilled(backend, factory, 3), _prefilled(backend, factory, 3)
+    step = backend.module("caches.compiled").compile_decode(attend_each, [compiled])
+    k, v = random_kv(7, (1, KV_HEADS, 1, 64), 64, np.float32)
+    k[0, 1, 0, 3] = np.inf
+    v[0, 0, 0, 9] = np.inf  # every value group of the row NaN (TQ-6)
+    queries = _queries(7, 64, np.float32)
+    args = [backend.from_numpy(a) for a in (k, v, queries)]
+    (got,), _ = step(*args)
+    want = eager.append_decode(*args[:2]).attend(args[2], 64**-0.5)
+    got, want = backend.to_numpy(got), backend.to_numpy(want)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).any()
+    clean = _decode_args(backend, 8, dtype="float32")
+    step(*clean)
+    eager.append_decode(*clean[:2])
+    message = failure_message(DEFERRED_CHECKS, len(DEFERRED_CHECKS))
+    for cache in compiled, eager:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cache.check()
+        cache.check()
+    assert_same_state_bits(backend, compiled, eager)
+    # Back to offset 2: the step writes row 2, and rows 3 (NaN) and 4 stay in the buffers
+    # beyond it. No read may see them.
+    for cache in compiled, eager:
+        cache.trim(3)
+    args = _decode_args(backend, 9, dtype="float32")
+    (got,), _ = step(*args)
+    want = eager.append_decode(*args[:2]).attend(args[2], 64**-0.5)
+    assert np.isfinite(backend.to_numpy(got)).all()
+    np.testing.assert_allclose(backend.to_numpy(got), backend.to_numpy(want), rtol=1e-5, atol=1e-6)
+    assert_same_state_bits(backend, compiled, eager)
+
+
+def test_bf16_first_commit_checks_convertible(backend) -> None:
+    """B16F-3 under COMPILE-5: before the switch, a position the converted storage could not
+    hold is refused by the commit, and the cache is as it was."""
+    cache = _prefilled(backend, lambda m: m.Bf16FirstQuantizedKVCache(64, 4, 8), 3)
+    step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
+    k, v, queries = _decode_args(backend, 2)
+    bad = backend.to_numpy(v).copy()
+    bad[0, 1, 0, 5] = np.inf
+    with pytest.raises(ValueError, match="NaN or inf"):
+        step(k, backend.from_numpy(bad), queries)
+    assert cache.offset == 3 and not cache.converted
+    step(k, v, queries)
+    assert cache.offset == 4
+
+
+def test_trace_reads_with_the_cache_kernels(backend) -> None:
+    """COMPILE-3, COMPILE-4: the kernels are part of the key, and the trace reads as the
+    cache's kernels read (TQC-4): rotated values and an unrotated output for deferred."""
+    keys = set()
+    for kernels in KERNELS:
+        cache = _prefilled(
+            backend, lambda m, kernels=kernels: m.TurboQuantKVCache(8, 4, kernels), 5
+        )
+        plan = cache.prepare_decode_step()
+        slot = cache.decode_slot(plan)
+        keys.add(slot.key)
+        trace = slot.trace(cache.decode_inputs(plan))
+        k, v, _ = _decode_args(backend, 4)
+        read = trace.append_decode(k, v)
+        # A backend may wrap it in a read of the stored fields (READ-7) that decodes on
+        # demand; the decoded read is the one the kernels name.
+        decoded = getattr(read, "decoded", None)
+        read = decoded() if callable(decoded) else read
+        assert isinstance(read, DeferredRead) == (kernels == "deferred")
+        assert isinstance(read, DenseRead) == (kernels == "dense")
+        assert len(trace.outputs) == slot.outputs == 6
+        assert cache.offset == 5, "a trace changes nothing"
+    assert len(keys) == len(KERNELS)
+
+
+def assert_same_state_bits(backend, a, b) -> None:
+    """Two caches of one backend hold the same stored bits, offset and ring index."""
+    sa, sb = a.state(), b.state()
+    assert (sa.offset, sa.ring_index) == (sb.offset, sb.ring_index)
+    for slot, (x, y) in enumerate(zip(sa.arrays, sb.arrays, strict=True)):
+        assert_same_bits(backend.to_numpy(x), backend.to_numpy(y), f"slot {slot}")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_eager_checks_reject_before_anything_changes(backend, kernels) -> None:
+    """COMPILE-5: an eager cache's commit raises the eager message and the cache is as it
+    was, the ring's buffer length included (the room was made on a copy)."""
+    caches = [
+        _prefilled(backend, lambda m: m.TurboQuantKVCache(8, 4, kernels), 256),
+        _prefilled(backend, lambda m: m.RotatingQuantizedKVCache(8, 32, 4), 3),
+    ]
+    before = [cache.state() for cache in caches]
+    step = backend.module("caches.compiled").compile_decode(attend_each, caches)
+    k, v, queries = _decode_args(backend, 3)
+    bad = backend.to_numpy(k).copy()
+    bad[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="keys hold NaN or inf"):
+        step(backend.from_numpy(bad), v, queries)
+    assert caches[0].capacity == 256
+    assert caches[1].length == 3
+    for cache, state in zip(caches, before, strict=True):
+        after = cache.state()
+        assert (after.offset, after.ring_index) == (state.offset, state.ring_index)
+        for x, y in zip(after.arrays, state.arrays, strict=True):
+            assert_same_bits(backend.to_numpy(x), backend.to_numpy(y), "unchanged")
+    step(k, v, queries)
+    assert [cache.offset for cache in caches] == [257, 4]
+
+
+def test_misuse_is_rejected(backend) -> None:
+    """COMPILE-2, COMPILE-5: no step on an empty cache; no slot, inputs or commit without
+    the prepare for their plan, or after the cache changed."""
+    caches = backend.module("caches")
+    with pytest.raises(ValueError, match="prefill first"):
+        caches.QuantizedKVCache(64, 4).prepare_decode_step()
+    cache = _prefilled(backend, lambda m: m.QuantizedKVCache(64, 4), 5)
+    with pytest.raises(ValueError, match="no prepare_decode_step"):
+        cache.decode_inputs(DecodePlan(5, 6))
+    plan = cache.prepare_decode_step()
+    slot = cache.decode_slot(plan)
+    assert (plan.write_position, plan.active_length) == (5, 6)
+    assert (slot.inputs, slot.outputs) == (9, 7)
+    cache.trim(1)
+    with pytest.raises(ValueError, match="changed after prepare_decode_step"):
+        cache.commit_decode_step(slot, [None] * 7)
+    assert cache.offset == 4
+    plan = cache.prepare_decode_step()
+    with pytest.raises(ValueError, match="outputs"):
+        cache.commit_decode_step(cache.decode_slot(plan), [])
+
+    def twice(traces, k, v, queries):
+        traces[0].append_decode(k, v)
+        return attend_each(traces, k, v, queries)
+
+    step = backend.module("caches.compiled").compile_decode(twice, [cache])
+    with pytest.raises(ValueError, match="one position per cache"):
+        step(*_decode_args(backend, 5))
+    assert cache.offset == 4

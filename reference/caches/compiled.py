@@ -1,0 +1,259 @@
+"""The compiled decode step (spec COMPILE-1 .. COMPILE-6): a decode step (`append_decode`
+and its read on every layer) traced once with stand-in caches and replayed, the caches
+supplying the graph's pieces and writing each step's new position after it.
+
+A step is four calls per cache: `prepare_decode_step()` (the growth half of a
+one-position append), `decode_slot(plan)` (what the graph looks like and a stand-in cache
+for tracing it), `decode_inputs(plan)` (the arrays the graph reads) and
+`commit_decode_step(slot, outputs)` (the write half). `compile_decode` drives them. The
+graph sees whole buffers, with the write position and the live length as data, so its
+shapes change only when the buffers grow or the storage switches (COMPILE-3).
+
+In NumPy nothing is compiled: `compile_decode` runs the traced step as written, which is
+the behaviour a compiled step must reproduce. The MLX twin compiles it with `mx.compile`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvspec.reference.caches.protocol import Read, require_same_layout
+from kvspec.reference.deferred import failure_message
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Where the step writes and what it reads (COMPILE-2): the buffer row of the new
+    position, and how many leading buffer rows the step's read sees, the new one included."""
+
+    write_position: int
+    active_length: int
+
+
+@dataclass(frozen=True)
+class DecodeRoom:
+    """The growth half of a one-position append, not yet adopted (COMPILE-2): the plan (a
+    ring's write position is its index after RING-2 steps 1 .. 3) and the buffers with
+    room for the position."""
+
+    plan: DecodePlan
+    fields: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class DecodeSlot:
+    """One cache's part of a step's graph (COMPILE-3).
+
+    key: names the graph's shape: the storage kind and parameters, the read's kernels, the
+        buffers' shapes and dtypes. Equal keys trace equal graphs.
+    plan: the plan the slot was made for; the commit writes where it says.
+    inputs: how many arrays `decode_inputs` gives; outputs: how many the trace returns.
+    trace: a stand-in cache over the graph's inputs (`DecodeTrace`).
+    """
+
+    key: Hashable
+    plan: DecodePlan
+    inputs: int
+    outputs: int
+    trace: Callable[[Sequence[Any]], DecodeTrace]
+
+
+class DecodeTrace:
+    """A cache inside the step's graph (COMPILE-4): `append_decode(k, v)` encodes the new
+    position, joins it to the buffers at the write position and returns the read of the
+    live rows; `outputs` are then the new position's fields (and the failure rank of an
+    encoding storage, DEFER-2). It holds no array of the real cache's."""
+
+    def __init__(self, storage: Any, fields: tuple[Any, ...], inputs: Sequence[Any]) -> None:
+        self._storage = storage
+        self._fields = fields
+        self._inputs = inputs
+        self.outputs: tuple[Any, ...] = ()
+
+    def append_decode(self, k: Any, v: Any) -> Read:
+        """COMPILE-4: one position, CACHE-2's layout checks, the deferred encode (DEFER-1),
+        the join and the read of rows 0 .. active_length - 1."""
+        storage = self._storage
+        if self.outputs:
+            raise ValueError("a compiled decode step appends one position per cache")
+        require_same_layout(storage.layout, storage._append_layout(k, v))
+        if k.shape[2] != 1:
+            raise ValueError(f"a decode appends one position, got {k.shape[2]}")
+        position, active_length, *failure = self._inputs
+        storage._failure = failure[0] if failure else 0
+        new, rank = storage._encode_deferred(k, v)
+        self.outputs = (*new, rank) if storage.deferred_checks else tuple(new)
+        xp = storage.xp
+        rows = xp.arange(self._fields[0].shape[2])
+        written = (rows == position)[:, None]
+        joined = tuple(
+            xp.where(written, part, field) for field, part in zip(self._fields, new, strict=True)
+        )
+        return storage._decode_read(joined, rows < active_length, active_length)
+
+
+class DecodeStepMethods:
+    """COMPILE-2 .. COMPILE-5 for field storage; the growable and ring storages supply
+    the growth half (`_decode_room`), the encoding storages their deferred encode and
+    their read. Until the commit the cache itself is untouched: the room is held apart,
+    and the commit adopts it."""
+
+    #: What the last `prepare_decode_step` made, and the fields, offset and ring index it
+    #: was made from.
+    _prepared: tuple[DecodeRoom, tuple[Any, ...]] | None = None
+
+    def prepare_decode_step(self) -> DecodePlan:
+        """COMPILE-2: room for one more position, as a one-position append makes it (CACHE-3
+        step 1; RING-2 steps 1 .. 3), held apart from the cache; nothing written."""
+        if self._fields is None:
+            raise ValueError("a compiled decode step needs a cache holding a layout: prefill first")
+        room = self._decode_room()
+        self._prepared = (room, (self._fields, self.offset, self.ring_index))
+        return room.plan
+
+    def _room_of(self, plan: DecodePlan) -> DecodeRoom:
+        """The room `prepare_decode_step` made for `plan`, if the cache is as it left it."""
+        if self._prepared is None or self._prepared[0].plan != plan:
+            raise ValueError(f"no prepare_decode_step made {plan}")
+        room, (fields, offset, ring_index) = self._prepared
+        if fields is not self._fields or (offset, ring_index) != (self.offset, self.ring_index):
+            raise ValueError("the cache changed after prepare_decode_step")
+        return room
+
+    def decode_slot(self, plan: DecodePlan) -> DecodeSlot:
+        """COMPILE-3: the graph's key, and a trace over a copy of this storage's parameters
+        made when it traces (no arrays: a compiled graph would keep them as constants)."""
+        fields = self._room_of(plan).fields
+        key = (
+            type(self).__qualname__,
+            self._graph_parameters(),
+            tuple((field.shape, field.dtype) for field in fields),
+        )
+        count = len(fields)
+        encoding = bool(self.deferred_checks)
+
+        def trace(inputs: Sequence[Any]) -> DecodeTrace:
+            parameters = copy.copy(self)
+            parameters._fields = None
+            parameters._prepared = None
+            parameters._failure = 0
+            return DecodeTrace(parameters, tuple(inputs[:count]), inputs[count:])
+
+        return DecodeSlot(key, plan, count + 2 + encoding, count + encoding, trace)
+
+    def decode_inputs(self, plan: DecodePlan) -> tuple[Any, ...]:
+        """COMPILE-3: the whole buffers, the write position and the active length as int32
+        scalars, and an encoding storage's running failure rank (DEFER-3)."""
+        fields = self._room_of(plan).fields
+        position = self.xp.array(plan.write_position, dtype=self.xp.int32)
+        length = self.xp.array(plan.active_length, dtype=self.xp.int32)
+        rank = (self._rank_input(),) if self.deferred_checks else ()
+        return (*fields, position, length, *rank)
+
+    def commit_decode_step(self, slot: DecodeSlot, outputs: Sequence[Any]) -> tuple[Any, ...]:
+        """COMPILE-5: adopt the room, write the step's new position where the plan says and
+        advance, as the one-position append would; return the stored fields (to evaluate
+        with the step). Eager checks raise the failure the step's encode ranked before
+        anything changes."""
+        if len(outputs) != slot.outputs:
+            raise ValueError(f"the step gives {slot.outputs} outputs, got {len(outputs)}")
+        room = self._room_of(slot.plan)
+        self._prepared = None
+        new = tuple(outputs)
+        if self.deferred_checks:
+            *parts, failure = new
+            if self.checks == "eager":
+                rank = int(np.asarray(failure).reshape(-1)[0])
+                if rank:
+                    raise ValueError(failure_message(self.deferred_checks, rank))
+                new = tuple(parts)
+            else:
+                new = self._record_failure(tuple(parts), failure)
+        self._adopt_room(room)
+        self._write_decoded(new, slot.plan.write_position)
+        return self.stored_fields()
+
+    def _adopt_room(self, room: DecodeRoom) -> None:
+        """Take the buffers `room` made."""
+        self._fields = room.fields
+
+    def stored_fields(self) -> tuple[Any, ...]:
+        """The stored buffers as they are now (none before the first append)."""
+        return () if self._fields is None else tuple(self._fields)
+
+    def _graph_parameters(self) -> Hashable:
+        """What besides the buffers' shapes decides the step's graph: the signature."""
+        return self.signature()
+
+    def _rank_input(self) -> Any:
+        """The running failure rank as the graph reads it (DEFER-3)."""
+        return self._failure
+
+    def _decode_read(self, fields: tuple[Any, ...], visible: Any, active_length: Any) -> Read:
+        """COMPILE-4: the read of the joined buffers under `visible` (bool [T], rows below
+        `active_length`), hidden rows zeroed so that what a trim left behind (a NaN group
+        included) reaches no output."""
+        keys, values = self._decode(fields)
+        keys, values = self._visible_only(keys, visible), self._visible_only(values, visible)
+        return self.dense_read(keys, values, visible)
+
+    def _visible_only(self, rows: Any, visible: Any) -> Any:
+        return self.xp.where(visible[:, None], rows, self.xp.zeros_like(rows))
+
+
+#: How many compiled graphs a `CompiledDecode` keeps (COMPILE-6), newest first.
+KEPT_GRAPHS = 4
+
+
+class CompiledDecode:
+    """COMPILE-6: `step_fn(traces, *args)` compiled once per tuple of slot keys and replayed;
+    each call commits every cache and returns the step's outputs with the stored fields to
+    evaluate along with them."""
+
+    def __init__(self, step_fn: Callable[..., Any], caches: Sequence[Any]) -> None:
+        self.step_fn = step_fn
+        self.caches = tuple(caches)
+        self.graphs: dict[tuple[Hashable, ...], Callable[..., Any]] = {}
+
+    @staticmethod
+    def compile_graph(graph: Callable[..., Any]) -> Callable[..., Any]:
+        """NumPy has no compiler: the traced step runs as written."""
+        return graph
+
+    def __call__(self, *args: Any) -> tuple[Any, list[tuple[Any, ...]]]:
+        plans = [cache.prepare_decode_step() for cache in self.caches]
+        slots = [cache.decode_slot(plan) for cache, plan in zip(self.caches, plans, strict=True)]
+        inputs = [cache.decode_inputs(plan) for cache, plan in zip(self.caches, plans, strict=True)]
+        key = tuple(slot.key for slot in slots)
+        if key not in self.graphs:
+            if len(self.graphs) == KEPT_GRAPHS:
+                # Buffers only grow, so an old key rarely returns: keep the newest few.
+                del self.graphs[next(iter(self.graphs))]
+            self.graphs[key] = self.compile_graph(self._graph(slots))
+        outputs, step_outputs = self.graphs[key](args, inputs)
+        stored = [
+            cache.commit_decode_step(slot, outs)
+            for cache, slot, outs in zip(self.caches, slots, step_outputs, strict=True)
+        ]
+        return outputs, stored
+
+    def _graph(self, slots: Sequence[DecodeSlot]) -> Callable[..., Any]:
+        """The step as a function of (args, inputs): traces stand in for the caches."""
+
+        def graph(args: Sequence[Any], inputs: Sequence[Sequence[Any]]) -> tuple[Any, list]:
+            traces = [slot.trace(arrays) for slot, arrays in zip(slots, inputs, strict=True)]
+            outputs = self.step_fn(traces, *args)
+            return outputs, [list(trace.outputs) for trace in traces]
+
+        return graph
+
+
+def compile_decode(step_fn: Callable[..., Any], caches: Sequence[Any]) -> CompiledDecode:
+    """COMPILE-6: the decode step `step_fn(traces, *args)` over `caches`, one trace per
+    cache in order, as a callable `step(*args) -> (outputs, stored)`."""
+    return CompiledDecode(step_fn, caches)
