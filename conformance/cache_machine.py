@@ -620,9 +620,11 @@ def run_machine(
     max_length: int = 9,
     read_log: ReadLog | None = None,
     max_examples: int | None = None,
+    derandomize: bool = False,
 ) -> None:
     """Run `machine` over `kinds` against `backend`, scaled to the loaded profile unless
-    `max_examples` is given; each read's bounds go to `read_log` if given."""
+    `max_examples` is given; each read's bounds go to `read_log` if given. `derandomize`
+    draws the same examples every run (for a measurement that must be reproducible)."""
     profile = settings.default
     bound_machine = type(
         machine.__name__,
@@ -634,6 +636,7 @@ def run_machine(
         settings=settings(
             max_examples=max_examples or max(10, profile.max_examples // 2),
             stateful_step_count=25,
+            derandomize=derandomize,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
             print_blob=True,
