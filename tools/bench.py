@@ -185,18 +185,16 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
     rows = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
     bare = rows[0].us / 1e6
 
-    def per_layer(run: Callable[[], list[mx.array]]) -> float:
-        return median_seconds(run, repeats) / layers
-
     for name, factory in KINDS.items():
         layer_caches = [factory(context + repeats + 8) for _ in range(layers)]
         for cache in layer_caches:
             cache.append_window(prefill_k, prefill_v)
         mx.eval([cache.state().arrays for cache in layer_caches])
-        step, host = timed(
-            lambda cs=layer_caches: [c.append_decode(k1, v1).attend(q, scale) for c in cs],
-            repeats,
-        )
+
+        def eager_step(cs: list = layer_caches) -> list[mx.array]:
+            return [c.append_decode(k1, v1).attend(q, scale) for c in cs]
+
+        step, host = timed(eager_step, repeats)
         step, host = step / layers, host / layers
         per_token = layer_caches[0].bytes_per_token()
         reads = [c.append_decode(k1, v1) for c in layer_caches]
@@ -221,10 +219,7 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
             )
         )
         (eager, _), (compiled, compiled_host) = taking_turns(
-            [
-                lambda cs=layer_caches: [c.append_decode(k1, v1).attend(q, scale) for c in cs],
-                compiled_step(layer_caches, k1, v1, q),
-            ],
+            [eager_step, compiled_step(layer_caches, k1, v1, q)],
             repeats,
         )
         rows.append(
