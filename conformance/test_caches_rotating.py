@@ -106,3 +106,19 @@ def test_one_query_window_with_keep(backend) -> None:
     visible = backend.to_numpy(mask) if mask is not None else np.ones(2, bool)
     newest = backend.to_numpy(keys)[:, :, visible]
     assert_same_bits(newest, k, "the key a one-query window of 1 sees")
+
+
+@pytest.mark.parametrize(
+    ("keep", "ring_index", "slots"), [(0, 4, [4, 5, 6, 7]), (1, 2, [0, 7, 5, 6])]
+)
+def test_a_full_ring_wraps_at_max_size(backend, keep: int, ring_index: int, slots) -> None:
+    """RING-2 by hand: eight one-position appends to a ring of 4 fill slots 0 .. 3, then
+    wrap to `keep` only when the index reaches max_size (keep 0: positions 4 .. 7 overwrite
+    slots 0 .. 3; keep 1: slots 1 .. 3 cycle, position 7 lands in slot 1)."""
+    cache = backend.module("caches").RotatingKVCache(4, keep)
+    for position in range(8):
+        k = np.full((1, 1, 1, 64), float(position), np.float32)
+        cache.append_decode(backend.from_numpy(k), backend.from_numpy(k))
+    keys = backend.to_numpy(cache.state().arrays[0])[0, 0, :, 0]
+    assert cache.ring_index == ring_index
+    assert keys.tolist() == [float(p) for p in slots]

@@ -68,7 +68,7 @@ CATALOGUE = (
         "        if index == self.max_size:\n",
         "        if index >= self.max_size - 1 and self.offset >= self.max_size:\n",
         "a full ring wraps to keep one slot early (RING-2)",
-        (f"{RING}::test_rotating_kv_cache_machine",),
+        (f"{RING}::test_rotating_kv_cache_machine", f"{RING}::test_a_full_ring_wraps_at_max_size"),
     ),
     Mutant(
         "ring-evicts-keep",
