@@ -11,12 +11,19 @@ within READ-1's bound.
 
 Pass 1 (split-K, as FlashDecoding): the positions are cut into splits; a block of
 WARPS warps takes one split of one KV head and serves every query head that reads that
-head (GQA), so each stored byte is read once. Lane l of a warp owns elements
-[l E, l E + E) of a row (E = D / 32); a warp takes every WARPS-th position of the split,
-STAGE at a time, loading the next stage's raw words before it decodes this one; the
-stage's dot products reduce together (5 + G shuffles each) and update one online softmax;
-the warps of a block merge in shared memory and write one partial (max, sum, weighted
-values) per split.
+head (GQA), so each stored byte is read once. The warps of a block merge in shared memory
+and write one partial (max, sum, weighted values) per split. Pass 1 has two bodies:
+- on tensor cores (the default where `tensor_core_fit`): a warp takes 8 positions at a
+  time; S = Q K^T and O^T += V^T P^T are TF32 MMAs (m16n8k8) with float32 accumulation,
+  the lanes laid out so that the scores leave each lane holding exactly the weights its
+  next MMA needs (no shuffle of weights), and the softmax runs once per 8 positions;
+- on CUDA cores: lane l of a warp owns elements [l E, l E + E) of a row (E = D / 32); a
+  warp takes every WARPS-th position of the split, STAGE at a time, loading the next
+  stage's raw words before it decodes this one; the stage's dot products reduce together
+  (5 + G shuffles each) and update one online softmax.
+Either way the decode avoids conversion instructions, which run at a quarter of the
+float32 rate: codes become floats through the bits of 2^23 + c, and AFF-6 runs on pairs
+in the scales' 16-bit format.
 Pass 2 merges the splits of each query head and, for TurboQuant values, unrotates the
 output row once (TQ-8): the Hadamard butterflies, 1/sqrt(D), then the signs.
 """
@@ -88,6 +95,44 @@ __device__ __forceinline__ unsigned int stream_code(const unsigned char* stream,
     return (window >> shift) & ((1u << BITS) - 1u);
 }
 
+template <typename T>
+constexpr bool IS_BFLOAT16 = false;
+template <>
+constexpr bool IS_BFLOAT16<__nv_bfloat16> = true;
+
+// The packed pair of a 2-byte format and the bits of M = 2^7 (bfloat16) or 2^10 (float16)
+// in both halves: the power of two from which integers below M are spaced by 1.
+template <typename S>
+struct Paired {};
+template <>
+struct Paired<__nv_bfloat16> {
+    using type = __nv_bfloat162;
+    static constexpr unsigned int MAGIC = 0x43004300u;
+};
+template <>
+struct Paired<__half> {
+    using type = __half2;
+    static constexpr unsigned int MAGIC = 0x64006400u;
+};
+template <typename S>
+constexpr bool PAIRED = sizeof(S) == 2;
+
+template <typename T>
+__device__ __forceinline__ T bits_as(unsigned int bits) {
+    T value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+__device__ __forceinline__ float2 widened(__nv_bfloat162 pair) {
+    // bfloat16 is the top half of a float32.
+    unsigned int bits;
+    memcpy(&bits, &pair, 4);
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+}
+
+__device__ __forceinline__ float2 widened(__half2 pair) { return __half22float2(pair); }
+
 // A lane's share of one row (elements [lane E, lane E + E) of position t of head (b, h))
 // as loaded: its words (when the lane's bits fill whole aligned words, or half of one) and,
 // for coded formats, its group's scale and bias, all still raw, so that a prefetch does not
@@ -100,6 +145,8 @@ struct LaneRow {
     static constexpr bool WORDS =
         LANE_BITS % 32 == 0 && (NW == 1 || NW == 2 || NW % 4 == 0);
     static constexpr bool HALF = LANE_BITS == 16;
+    // Widths whose codes never straddle a word's halves (decode_pairs).
+    static constexpr bool WHOLE_PAIRS = BITS == 2 || BITS == 4 || BITS == 8;
     unsigned int w[NW];
     const unsigned char* row;  // read at decode time when the lane's bits are not words
     S scale;
@@ -131,7 +178,9 @@ struct LaneRow {
         }
     }
 
-    // The reference's operands (READ-7): AFF-6, TQ-5, TQ-8 (rotated), or the plain value.
+    // The reference's operands (READ-7): AFF-6, TQ-5, TQ-8 (rotated), or the plain value,
+    // computed without conversion instructions (a quarter of the float32 rate): a code c
+    // becomes float32 as the bits of 2^23 + c, less 2^23, exactly.
     __device__ __forceinline__ void decode(const float* table, int lane, float (&x)[E]) const {
         if constexpr (FMT == 0) {
             #pragma unroll
@@ -140,6 +189,8 @@ struct LaneRow {
                     x[j] = static_cast<float>(reinterpret_cast<const C*>(row)[lane * E + j]);
                 } else if constexpr (sizeof(C) == 4) {
                     x[j] = __uint_as_float(element_bits(j, lane));
+                } else if constexpr (IS_BFLOAT16<C>) {
+                    x[j] = __uint_as_float(element_bits(j, lane) << 16);
                 } else {
                     const unsigned short bits = (unsigned short)element_bits(j, lane);
                     C value;
@@ -147,24 +198,66 @@ struct LaneRow {
                     x[j] = static_cast<float>(value);
                 }
             }
+        } else if constexpr (FMT == 1 && WORDS && PAIRED<S> && WHOLE_PAIRS) {
+            decode_pairs(x);
         } else {
             const float s = static_cast<float>(scale);
             float z = 0.0f;
             if constexpr (FMT != 3) z = static_cast<float>(bias);
+            // TQ-5's code + zero, exact: (2^23 + c) - (2^23 - zero); a signed 8-bit code
+            // reads as 2^23 + 128 + c (its sign bit flipped).
+            const float offset = (FMT == 2 && BITS == 8 ? 8388736.0f : 8388608.0f) - z;
             #pragma unroll
             for (int j = 0; j < E; ++j) {
                 const unsigned int c = element_bits(j, lane);
                 if constexpr (FMT == 1) {
                     // AFF-6: T(T(code * scale) + bias).
-                    x[j] = rounded<S>(__fadd_rn(rounded<S>(__fmul_rn((float)c, s)), z));
+                    const float code = __fsub_rn(__uint_as_float(c | 0x4B000000u), 8388608.0f);
+                    x[j] = rounded<S>(__fadd_rn(rounded<S>(__fmul_rn(code, s)), z));
                 } else if constexpr (FMT == 2) {
                     // TQ-5: (code + zero) * scale; 8-bit codes are signed.
-                    const float code = BITS == 8 ? (float)(int)(signed char)c : (float)c;
-                    x[j] = __fmul_rn(__fadd_rn(code, z), s);
+                    const unsigned int biased = BITS == 8 ? c ^ 0x4B000080u : c | 0x4B000000u;
+                    x[j] = __fmul_rn(__fsub_rn(__uint_as_float(biased), offset), s);
                 } else {
                     // TQ-8: centroid * scale, left rotated.
                     x[j] = __fmul_rn(table[c], s);
                 }
+            }
+        }
+    }
+
+    // AFF-6 two elements at a time in S (bfloat16 or float16 scales), for codes in whole
+    // words: a word's elements i and i + N/2 (N per word) sit in its two 16-bit halves after
+    // a shift; OR-ing the S bits of M (a power of two whose spacing is 1) makes M + c, less
+    // M is c exactly (8-bit codes as 16 hi + lo from two nibbles). Then T(c * scale) and
+    // T(. + bias) in S, each rounded once: the float32 product is exact and the float32
+    // sum, rounded again to S, rounds as S would (24 >= 2 p + 2 bits, CONV-2).
+    __device__ __forceinline__ void decode_pairs(float (&x)[E]) const {
+        using S2 = typename Paired<S>::type;
+        const S2 magic = bits_as<S2>(Paired<S>::MAGIC);
+        const S2 s2 = {scale, scale};
+        const S2 b2 = {bias, bias};
+        constexpr int PER_WORD = 32 / BITS;
+        #pragma unroll
+        for (int word = 0; word < NW; ++word) {
+            #pragma unroll
+            for (int i = 0; i < PER_WORD / 2; ++i) {
+                constexpr unsigned int MAGIC = Paired<S>::MAGIC;
+                S2 code;
+                if constexpr (BITS == 8) {
+                    const unsigned int bits = w[word] >> (8 * i);
+                    const S2 lo = bits_as<S2>((bits & 0x000F000Fu) | MAGIC);
+                    const S2 hi = bits_as<S2>(((bits >> 4) & 0x000F000Fu) | MAGIC);
+                    const S2 sixteen = {S(16.0f), S(16.0f)};
+                    code = __hfma2(__hsub2(hi, magic), sixteen, __hsub2(lo, magic));
+                } else {
+                    constexpr unsigned int MASK = ((1u << BITS) - 1u) * 0x00010001u;
+                    code = __hsub2(bits_as<S2>(((w[word] >> (BITS * i)) & MASK) | MAGIC), magic);
+                }
+                const S2 value = __hadd2(__hmul2(code, s2), b2);
+                const float2 wide = widened(value);
+                x[word * PER_WORD + i] = wide.x;
+                x[word * PER_WORD + i + PER_WORD / 2] = wide.y;
             }
         }
     }
@@ -256,6 +349,28 @@ __device__ __forceinline__ void attend_stage(
     }
 }
 
+__device__ __forceinline__ unsigned int tf32(float x) {
+    // x rounded to the nearest TF32 (ties away), for the operands computed once per block
+    // or per 8 positions (the query, the weights). Stored operands go in as float32 bits:
+    // the tensor cores read their top 19 bits, a truncation (READ-7).
+    unsigned int bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+    return bits;
+}
+
+__device__ __forceinline__ void mma_tf32(
+    float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+    unsigned int b0, unsigned int b1) {
+    // d += A B on tensor cores: A 16 x 8 (row major), B 8 x 8 (column major), float32
+    // accumulation. Lane (r, c) = (lane / 4, lane % 4) holds A[r][c], A[r + 8][c],
+    // A[r][c + 4], A[r + 8][c + 4]; B[c][r], B[c + 4][r]; D[r][2c], D[r][2c + 1],
+    // D[r + 8][2c], D[r + 8][2c + 1] (PTX ISA, mma.m16n8k8 .tf32).
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 }  // namespace kvspec_attn
 """
 
@@ -263,10 +378,9 @@ __device__ __forceinline__ void attend_stage(
 # placeholder where a format has none); the value codebook. Outputs: partial sums
 # [B * Hq, SPLITS, DV] and (max, sum) [B * Hq, SPLITS, 2]. The softmax scale is a
 # template constant (its float32 bits): one compile per model, no per-step upload.
-_PARTIAL_SOURCE = r"""
-    using namespace kvspec_attn;
-    constexpr int EK = DK / 32;
-    constexpr int EV = DV / 32;
+# Two bodies share the block's setup and its final merge of the warps: on CUDA cores
+# (lanes over elements) and on tensor cores (MMA over 8 positions at a time).
+_PARTIAL_SETUP = r"""    using namespace kvspec_attn;
     constexpr float LOG2E = 1.4426950408889634f;
     const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ float shared[];
@@ -287,7 +401,22 @@ _PARTIAL_SOURCE = r"""
     __syncthreads();
 
     const float factor = __int_as_float(SCALE_BITS) * LOG2E;
-    float q[G][EK];
+    const int per_split = (T + splits - 1) / splits;
+    const int start = split * per_split;
+    const int end = min(T, start + per_split);
+
+    // Rows of head (b, h); a placeholder's strides are never used (format PLAIN).
+    const long long k_base = b * k_codes_strides[0] + h * k_codes_strides[1];
+    const long long ks_base = KFMT == 0 ? 0 : b * k_scales_strides[0] + h * k_scales_strides[1];
+    const long long v_base = b * v_codes_strides[0] + h * v_codes_strides[1];
+    const long long vs_base = VFMT == 0 ? 0 : b * v_scales_strides[0] + h * v_scales_strides[1];
+
+    using KeyRow = LaneRow<KFMT, EK, KBITS, KGROUP, KC, KS>;
+    using ValueRow = LaneRow<VFMT, EV, VBITS, VGROUP, VC, VS>;
+"""
+
+# Lane l owns elements [l EK, l EK + EK) of a row.
+_CORE_BODY = r"""    float q[G][EK];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
         const long long q_row =
@@ -299,10 +428,6 @@ _PARTIAL_SOURCE = r"""
         }
     }
 
-    const int per_split = (T + splits - 1) / splits;
-    const int start = split * per_split;
-    const int end = min(T, start + per_split);
-
     float m[G], l[G], acc[G][EV];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -312,14 +437,6 @@ _PARTIAL_SOURCE = r"""
         for (int j = 0; j < EV; ++j) acc[g][j] = 0.0f;
     }
 
-    // Rows of head (b, h); a placeholder's strides are never used (format PLAIN).
-    const long long k_base = b * k_codes_strides[0] + h * k_codes_strides[1];
-    const long long ks_base = KFMT == 0 ? 0 : b * k_scales_strides[0] + h * k_scales_strides[1];
-    const long long v_base = b * v_codes_strides[0] + h * v_codes_strides[1];
-    const long long vs_base = VFMT == 0 ? 0 : b * v_scales_strides[0] + h * v_scales_strides[1];
-
-    using KeyRow = LaneRow<KFMT, EK, KBITS, KGROUP, KC, KS>;
-    using ValueRow = LaneRow<VFMT, EV, VBITS, VGROUP, VC, VS>;
     // The warp's positions are first, first + WARPS, ...: STAGE at a time, the next stage's
     // loads issued before this one computes (software pipelining), then the rest one by one.
     const int first = start + warp;
@@ -374,6 +491,174 @@ _PARTIAL_SOURCE = r"""
             totals[warp * G + g] = l[g];
         }
     }
+"""
+
+_MMA_BODY = r"""
+    // Lane (row, col) of the MMA fragments (mma_tf32). Scores S = Q K^T take 8 positions
+    // at a time: A holds query head h G + row (rows from G on are zero), B the keys;
+    // lane (row, col) decodes position t0 + row at elements [col EK, col EK + EK), and
+    // step j's k-indices col and col + 4 are elements col EK + 2j and col EK + 2j + 1.
+    // The output O^T += V^T P^T: A holds values (lane (row, col): positions t0 + 2 col and
+    // t0 + 2 col + 1, elements [row EV, row EV + EV); tile i's rows row and row + 8 are
+    // elements row EV + 2i and row EV + 2i + 1), B the weights as S left them in the lane.
+    const int row = lane >> 2;
+    const int col = lane & 3;
+    constexpr int KSTEPS = DK / 8;
+    constexpr int MTILES = DV / 16;
+
+    // The query fragment, the same for every warp of the block, in shared memory
+    // (registers go to the decode): step j's (A[row][col], A[row][col + 4]) at [j][lane].
+    __shared__ uint2 query_fragment[KSTEPS][32];
+    if (warp == 0) {
+        const long long q_row = (long long)b * queries_strides[0] +
+            (long long)(h * G + (row < G ? row : 0)) * queries_strides[1];
+        #pragma unroll
+        for (int j = 0; j < KSTEPS; ++j) {
+            unsigned int a[2];
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const long long at = q_row + (col * EK + 2 * j + i) * queries_strides[3];
+                a[i] = row < G ? tf32(static_cast<float>(queries[at]) * factor) : 0u;
+            }
+            query_fragment[j][lane] = make_uint2(a[0], a[1]);
+        }
+    }
+    __syncthreads();
+    // Head `row`'s running maximum and this lane's share of its sum; O^T in the C layout
+    // (acc[i]: elements row EV + 2i, + 1 of heads 2 col, 2 col + 1).
+    float m = NEG_INF;
+    float l = 0.0f;
+    float acc[MTILES][4];
+    #pragma unroll
+    for (int i = 0; i < MTILES; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    }
+
+    // Warp w takes chunks w, w + WARPS, ... of 8 positions; a chunk's raw rows load while
+    // the one before it computes.
+    const int chunks = end > start ? (end - start + 7) / 8 : 0;
+    auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
+        const int tk = start + 8 * c + row;
+        const int tv = start + 8 * c + 2 * col;
+        if (tk < end) {
+            key.load(k_codes, k_scales, k_biases, k_base + (long long)tk * k_codes_strides[2],
+                     KFMT == 0 ? 0 : ks_base + (long long)tk * k_scales_strides[2], col);
+        }
+        if (tv < end) {
+            v0.load(v_codes, v_scales, v_biases, v_base + (long long)tv * v_codes_strides[2],
+                    VFMT == 0 ? 0 : vs_base + (long long)tv * v_scales_strides[2], row);
+        }
+        if (tv + 1 < end) {
+            v1.load(v_codes, v_scales, v_biases,
+                    v_base + (long long)(tv + 1) * v_codes_strides[2],
+                    VFMT == 0 ? 0 : vs_base + (long long)(tv + 1) * v_scales_strides[2], row);
+        }
+    };
+    KeyRow next_key;
+    ValueRow next_v0, next_v1;
+    if (warp < chunks) load(warp, next_key, next_v0, next_v1);
+    for (int c = warp; c < chunks; c += WARPS) {
+        const KeyRow key = next_key;
+        const ValueRow v0 = next_v0;
+        const ValueRow v1 = next_v1;
+        if (c + WARPS < chunks) load(c + WARPS, next_key, next_v0, next_v1);
+        const int t0 = start + 8 * c;
+        const int tv = t0 + 2 * col;
+
+        float k[EK];
+        if (t0 + row < end) {
+            key.decode(codebook, col, k);
+        } else {
+            #pragma unroll
+            for (int j = 0; j < EK; ++j) k[j] = 0.0f;
+        }
+        float s[2][4] = {};  // two accumulation chains
+        #pragma unroll
+        for (int j = 0; j < KSTEPS; ++j) {
+            const uint2 a = query_fragment[j][lane];
+            mma_tf32(s[j & 1], a.x, 0u, a.y, 0u, __float_as_uint(k[2 * j]),
+                     __float_as_uint(k[2 * j + 1]));
+        }
+        const float s0 = tv < end ? s[0][0] + s[1][0] : NEG_INF;
+        const float s1 = tv + 1 < end ? s[0][1] + s[1][1] : NEG_INF;
+
+        // Online softmax of head `row` over the chunk (its 8 scores lie in 4 lanes). A NaN
+        // score (DEFER-1) passes fmaxf by and makes its weight NaN.
+        float top = fmaxf(s0, s1);
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        const float m_new = fmaxf(m, top);
+        float alpha = 1.0f, p0 = 0.0f, p1 = 0.0f;
+        if (m_new != NEG_INF) {
+            alpha = exp2f(m - m_new);
+            p0 = exp2f(s0 - m_new);
+            p1 = exp2f(s1 - m_new);
+        }
+        l = l * alpha + (p0 + p1);
+        m = m_new;
+        // acc holds heads 2 col and 2 col + 1, whose factors lanes 8 col and 8 col + 4 hold.
+        const float alpha_even = __shfl_sync(0xffffffffu, alpha, 8 * col);
+        const float alpha_odd = __shfl_sync(0xffffffffu, alpha, 8 * col + 4);
+
+        float y0[EV], y1[EV];
+        if (tv < end) {
+            v0.decode(codebook, row, y0);
+        } else {
+            #pragma unroll
+            for (int j = 0; j < EV; ++j) y0[j] = 0.0f;
+        }
+        if (tv + 1 < end) {
+            v1.decode(codebook, row, y1);
+        } else {
+            #pragma unroll
+            for (int j = 0; j < EV; ++j) y1[j] = 0.0f;
+        }
+        const unsigned int w0 = tf32(p0);
+        const unsigned int w1 = tf32(p1);
+        // Once the maxima settle, no factor moves: skip the rescale (a warp-wide choice).
+        if (__any_sync(0xffffffffu, alpha_even != 1.0f || alpha_odd != 1.0f)) {
+            #pragma unroll
+            for (int i = 0; i < MTILES; ++i) {
+                acc[i][0] *= alpha_even;
+                acc[i][1] *= alpha_odd;
+                acc[i][2] *= alpha_even;
+                acc[i][3] *= alpha_odd;
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < MTILES; ++i) {
+            mma_tf32(acc[i], __float_as_uint(y0[2 * i]), __float_as_uint(y0[2 * i + 1]),
+                     __float_as_uint(y1[2 * i]), __float_as_uint(y1[2 * i + 1]), w0, w1);
+        }
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+    // The warp's results to shared memory: [WARPS][G][DV] sums, [WARPS][G] maxima and sums.
+    float* sums = shared;
+    float* maxima = shared + WARPS * G * DV;
+    float* totals = maxima + WARPS * G;
+    #pragma unroll
+    for (int i = 0; i < MTILES; ++i) {
+        const int d = row * EV + 2 * i;
+        if (2 * col < G) {
+            sums[(warp * G + 2 * col) * DV + d] = acc[i][0];
+            sums[(warp * G + 2 * col) * DV + d + 1] = acc[i][2];
+        }
+        if (2 * col + 1 < G) {
+            sums[(warp * G + 2 * col + 1) * DV + d] = acc[i][1];
+            sums[(warp * G + 2 * col + 1) * DV + d + 1] = acc[i][3];
+        }
+    }
+    if (col == 0 && row < G) {
+        maxima[warp * G + row] = m;
+        totals[warp * G + row] = l;
+    }
+"""
+
+# Merge the warps of the block into one partial per split.
+_BLOCK_MERGE = r"""
     __syncthreads();
     for (int i = threadIdx.x; i < G * DV; i += blockDim.x) {
         const int g = i / DV;
@@ -397,6 +682,16 @@ _PARTIAL_SOURCE = r"""
         }
     }
 """
+
+#: Each body's share of a row per lane: (EK, EV) as expressions of DK and DV.
+_LANE_ELEMENTS = {
+    False: "    constexpr int EK = DK / 32;\n    constexpr int EV = DV / 32;\n",
+    True: "    constexpr int EK = DK / 4;\n    constexpr int EV = DV / 8;\n",
+}
+_PARTIAL_SOURCES = {
+    mma: _LANE_ELEMENTS[mma] + _PARTIAL_SETUP + body + _BLOCK_MERGE
+    for mma, body in ((False, _CORE_BODY), (True, _MMA_BODY))
+}
 
 # Pass 2. One block per (b, query head), DV threads: merge the splits, unrotate if ROTATED.
 _MERGE_SOURCE = r"""
@@ -438,18 +733,19 @@ _MERGE_SOURCE = r"""
 #: COMPILE-4): its graph passes whole buffers, and the count changes every step.
 _ROWS_FROM_SHAPE = "const int T = k_codes_shape[2];"
 _ROWS_FROM_INPUT = "const int T = min(k_codes_shape[2], rows[0]);"
-assert _PARTIAL_SOURCE.count(_ROWS_FROM_SHAPE) == 1
+assert all(source.count(_ROWS_FROM_SHAPE) == 1 for source in _PARTIAL_SOURCES.values())
 
 
 @cache
-def _partial_kernel(shared_bytes: int, counted: bool = False) -> object:
+def _partial_kernel(shared_bytes: int, counted: bool, mma: bool) -> object:
     # The dynamic shared memory is fixed per kernel object: one per (G, DV). The counted
     # variant takes one more input, `rows` (int32 [1]); the plain one is unchanged.
-    source = (
-        _PARTIAL_SOURCE.replace(_ROWS_FROM_SHAPE, _ROWS_FROM_INPUT) if counted else _PARTIAL_SOURCE
-    )
+    source = _PARTIAL_SOURCES[mma]
+    if counted:
+        source = source.replace(_ROWS_FROM_SHAPE, _ROWS_FROM_INPUT)
+    name = "kvspec_decode_attention" + ("_mma" if mma else "") + ("_counted" if counted else "")
     return mx.fast.cuda_kernel(
-        name="kvspec_decode_attention_counted" if counted else "kvspec_decode_attention",
+        name=name,
         input_names=[
             "queries",
             "k_codes",
@@ -509,6 +805,20 @@ def supported(keys: StoredSide, values: StoredSide, query_heads: int) -> bool:
     if query_heads % kv_heads != 0 or query_heads // kv_heads > MAX_GROUP:
         return False
     return keys.dim in HEAD_DIMS and values.dim in HEAD_DIMS
+
+
+def tensor_core_fit(keys: StoredSide, values: StoredSide) -> bool:
+    """Whether the tensor-core body takes a read: head dims that cut into its fragments
+    (DK a multiple of 8, DV of 16, both at most 256), and each lane's share of a row
+    (DK / 4 key elements, DV / 8 value elements) inside one group of a coded format.
+    Other reads run on CUDA cores."""
+
+    def fits(side: StoredSide, step: int, share: int) -> bool:
+        if side.dim % step or side.dim > 256:
+            return False
+        return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0
+
+    return fits(keys, 8, 4) and fits(values, 16, 8)
 
 
 def _splits(T: int, blocks_per_split: int) -> int:
@@ -602,12 +912,14 @@ def decode_attention(
     signs: mx.array | None,
     out_dtype: mx.Dtype,
     rows: mx.array | None = None,
+    tensor_cores: bool | None = None,
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row, [B, Hq, 1, Dv]
     in `out_dtype`. `table` is the value codebook and `signs` the sign vector of Dv for
     TURBO_VALUE (the output is unrotated); None otherwise. `rows` (int32 [1]), when given,
     limits the read to the first rows[0] rows as data (COMPILE-4): splits are planned for
-    the whole buffer, and a split past the count reads nothing. Call only when
+    the whole buffer, and a split past the count reads nothing. `tensor_cores` picks the
+    pass-1 body (None: tensor cores wherever `tensor_core_fit`). Call only when
     `supported`."""
     B, Hq, N, _ = queries.shape
     _, Hk, T, _ = keys.codes.shape
@@ -624,7 +936,11 @@ def decode_attention(
     splits = _splits(T, B * Hk)
     threads = WARPS * 32
     DV = values.dim
-    partial, stats = _partial_kernel(plan.shared_bytes, rows is not None)(
+    if tensor_cores is None:
+        tensor_cores = tensor_core_fit(keys, values)
+    elif tensor_cores and not tensor_core_fit(keys, values):
+        raise ValueError(f"the tensor-core body does not take dims {keys.dim}, {values.dim}")
+    partial, stats = _partial_kernel(plan.shared_bytes, rows is not None, tensor_cores)(
         inputs=[
             queries,
             *_fields(keys),

@@ -88,8 +88,8 @@ def attention_bound(
     bound = max_j |v_j| * (expm1(2e) + 4u + (T + 2) 2^-24) + tau, tau the keys' format's
     smallest subnormal: the output's rounding below the normal range is tau/2 absolute.
     `roundoff` replaces 2^-24 for a backend whose attention multiplies and adds with less
-    precision (READ-1: MLX's CUDA attention rounds float32 operands to TF32, 2^-11); the
-    operands' own rounding to it adds 2 roundoff to each product.
+    precision (READ-1: MLX's CUDA attention brings float32 operands to TF32, 2^-11); the
+    operands' own rounding or truncation to it adds up to 4 roundoff to each product.
     """
     u = unit_roundoff(keys.dtype)
     B, Hq, N, D = queries.shape
@@ -98,10 +98,10 @@ def attention_bound(
     q = np.abs(queries.astype(np.float64)).reshape(B, Hk, group, N, D)
     k = np.abs(keys.astype(np.float64))[:, :, None]
     magnitude = (q @ np.swapaxes(k, -1, -2)).max(axis=-1)
-    score_error = scale * magnitude * (2 * u + (D + 4) * roundoff)
+    score_error = scale * magnitude * (2 * u + (D + 6) * roundoff)
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
     tau = smallest_subnormal(keys.dtype)
-    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 4) * roundoff) + tau
+    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 6) * roundoff) + tau
     return bound.reshape(B, Hq, N, 1)
 
 

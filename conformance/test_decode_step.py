@@ -9,6 +9,8 @@ are fixed so the kernels compile a bounded number of template instances.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -119,6 +121,8 @@ READ_KINDS = {
     "affine-4-64": lambda c: c.QuantizedKVCache(64, 4, checks="deferred"),
     "affine-8-32": lambda c: c.QuantizedKVCache(32, 8, checks="deferred"),
     "affine-3-128": lambda c: c.QuantizedKVCache(128, 3, checks="deferred"),
+    "affine-2-32": lambda c: c.QuantizedKVCache(32, 2, checks="deferred"),
+    "affine-8-64-float16": lambda c: c.QuantizedKVCache(64, 8, checks="deferred"),
     "affine-ring-6-64": lambda c: c.RotatingQuantizedKVCache(40, 64, 6, checks="deferred"),
     "turbo-k8v4-dense": lambda c: c.TurboQuantKVCache(8, 4, "dense", checks="deferred"),
     "turbo-k4v2-deferred": lambda c: c.TurboQuantKVCache(4, 2, "deferred", checks="deferred"),
@@ -137,13 +141,47 @@ def _reference_read(ref: caches.Cache, k: np.ndarray, v: np.ndarray):
     return ref.append_decode(k, v)
 
 
+def _cuda_core_attend(read, queries, scale: float):
+    """The MLX backend's decode attention on its CUDA-core body (READ-7), for a read its
+    tensor-core body would otherwise take."""
+    from kvspec.accelerated import attention_kernels
+    from kvspec.accelerated.caches.reads import StoredRead
+
+    assert isinstance(read, StoredRead)
+    assert attention_kernels.tensor_core_fit(read.keys, read.values)
+    return attention_kernels.decode_attention(
+        queries,
+        read.keys,
+        read.values,
+        scale,
+        read.codebook,
+        read.signs,
+        read.read_dtype,
+        read.rows,
+        tensor_cores=False,
+    )
+
+
+def _kernels_on_cuda(backend: Backend) -> bool:
+    if backend.package != "kvspec.accelerated":
+        return False
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))
 @pytest.mark.parametrize("groups", [1, 4, 8])
+@pytest.mark.parametrize("body", ["default", "cuda-cores"])
 def test_decode_read_of_stored_fields_is_within_bound(
-    backend: Backend, kind: str, groups: int
+    backend: Backend, kind: str, groups: int, body: str
 ) -> None:
+    """READ-7 against the reference's read; on CUDA, "cuda-cores" also holds the kernels'
+    CUDA-core body to the bound where their tensor-core body is the default."""
+    if body == "cuda-cores" and not _kernels_on_cuda(backend):
+        pytest.skip("the CUDA-core body of the decode-attention kernels runs on CUDA only")
     head_dim = 256 if kind.endswith("head256") else 128
-    dtype = "float16" if kind == "kv" else "bfloat16"
+    dtype = "float16" if kind == "kv" or kind.endswith("float16") else "bfloat16"
     rng = np.random.default_rng(groups)
     ref = READ_KINDS[kind](caches)
     acc = READ_KINDS[kind](backend.module("caches"))
@@ -161,7 +199,8 @@ def test_decode_read_of_stored_fields_is_within_bound(
         got = acc.append_decode(backend.from_numpy(k), backend.from_numpy(v))
         scale = head_dim**-0.5
         expected = want.attend(queries, scale).astype(np.float64)
-        actual = backend.to_numpy(got.attend(backend.from_numpy(queries), scale))
+        attend = got.attend if body == "default" else partial(_cuda_core_attend, got)
+        actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
         assert actual.shape == expected.shape
         if isinstance(want, DeferredRead):
             bound = deferred_attention_bound(

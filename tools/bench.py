@@ -9,7 +9,9 @@ mlx-lm-style quantized attention (4-bit g64, no append). The same step compiled 
 COMPILE-6: all layers in one `mx.compile`d graph, replayed) is timed against the eager
 step, the two taking turns on the same caches (fastest of the repeats). Each read's
 attention alone is also timed against its byte floor: the bytes it must read over the
-plain-read bandwidth measured in this run. Absolute times mean something only on the GPU machine.
+plain-read bandwidth measured in this run; on CUDA, beside it, the same read on the kernels'
+CUDA-core body where the tensor-core body takes it. Absolute times mean something only on
+the GPU machine.
 
     python tools/bench.py                       # the table at 1k .. 128k positions
     python tools/bench.py --contexts 4096 --json rows.json
@@ -27,8 +29,9 @@ from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 
-from kvspec.accelerated import affine, caches, turboquant
+from kvspec.accelerated import affine, attention_kernels, caches, turboquant
 from kvspec.accelerated.caches.compiled import compile_decode
+from kvspec.accelerated.caches.reads import StoredRead
 
 KV_HEADS = 8
 QUERY_HEADS = 32
@@ -203,6 +206,23 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
         floor = per_token * layer_caches[0].offset / bandwidth
         # The kernels' share of the read: its wall time less building the graph on the host.
         device = max(attend - attend_host, 1e-9)
+        cores = [cuda_core_attend(read, q, scale) for read in reads]
+        if all(cores):
+            core_time, core_host = timed(lambda cs=cores: [c() for c in cs], repeats)
+            core_time, core_host = core_time / layers, core_host / layers
+            core_device = max(core_time - core_host, 1e-9)
+            rows.append(
+                Row(
+                    "attend",
+                    f"{name} on CUDA cores",
+                    context,
+                    core_time * 1e6,
+                    core_time / bare,
+                    per_token,
+                    floor / core_device,
+                    core_host * 1e6,
+                )
+            )
         rows.append(
             Row("step", name, context, step * 1e6, step / bare, per_token, host_us=host * 1e6)
         )
@@ -237,6 +257,28 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
             cache.check()
         del layer_caches, reads
     return rows
+
+
+def cuda_core_attend(read: object, q: mx.array, scale: float) -> Callable[[], mx.array] | None:
+    """The read's decode attention on the CUDA-core body, where the tensor-core body would
+    take it (READ-7 on CUDA); None elsewhere."""
+    if not (
+        isinstance(read, StoredRead)
+        and attention_kernels.supported(read.keys, read.values, q.shape[1])
+        and attention_kernels.tensor_core_fit(read.keys, read.values)
+    ):
+        return None
+    return lambda: attention_kernels.decode_attention(
+        q,
+        read.keys,
+        read.values,
+        scale,
+        read.codebook,
+        read.signs,
+        read.read_dtype,
+        read.rows,
+        tensor_cores=False,
+    )
 
 
 def compiled_step(
