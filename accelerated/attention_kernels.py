@@ -374,13 +374,53 @@ __device__ __forceinline__ void mma_tf32(
 }  // namespace kvspec_attn
 """
 
+# Row t's share of a lane (elements [part E, part E + E)), raw, from the buffers.
+_ROW_LOADS = r"""
+    auto load_key = [&](KeyRow& key, int t, int part) {
+        key.load(k_codes, k_scales, k_biases, k_base + (long long)t * k_codes_strides[2],
+                 KFMT == 0 ? 0 : ks_base + (long long)t * k_scales_strides[2], part);
+    };
+    auto load_value = [&](ValueRow& value, int t, int part) {
+        value.load(v_codes, v_scales, v_biases, v_base + (long long)t * v_codes_strides[2],
+                   VFMT == 0 ? 0 : vs_base + (long long)t * v_scales_strides[2], part);
+    };
+"""
+# The compiled step's write slot (COMPILE-4): buffer row slot_row[0] is read from the new
+# position's fields (new_* [B, Hk, 1, *]) instead, so the buffers need no copy.
+_SLOT_ROW_LOADS = r"""
+    const int written = slot_row[0];
+    auto load_key = [&](KeyRow& key, int t, int part) {
+        if (t == written) {
+            key.load(new_k_codes, new_k_scales, new_k_biases,
+                     b * new_k_codes_strides[0] + h * new_k_codes_strides[1],
+                     KFMT == 0 ? 0 : b * new_k_scales_strides[0] + h * new_k_scales_strides[1],
+                     part);
+        } else {
+            key.load(k_codes, k_scales, k_biases, k_base + (long long)t * k_codes_strides[2],
+                     KFMT == 0 ? 0 : ks_base + (long long)t * k_scales_strides[2], part);
+        }
+    };
+    auto load_value = [&](ValueRow& value, int t, int part) {
+        if (t == written) {
+            value.load(new_v_codes, new_v_scales, new_v_biases,
+                       b * new_v_codes_strides[0] + h * new_v_codes_strides[1],
+                       VFMT == 0 ? 0 : b * new_v_scales_strides[0] + h * new_v_scales_strides[1],
+                       part);
+        } else {
+            value.load(v_codes, v_scales, v_biases, v_base + (long long)t * v_codes_strides[2],
+                       VFMT == 0 ? 0 : vs_base + (long long)t * v_scales_strides[2], part);
+        }
+    };
+"""
+
 # Pass 1. Inputs: q [B, Hq, 1, DK]; per side codes, scales, biases (a one-element
 # placeholder where a format has none); the value codebook. Outputs: partial sums
 # [B * Hq, SPLITS, DV] and (max, sum) [B * Hq, SPLITS, 2]. The softmax scale is a
 # template constant (its float32 bits): one compile per model, no per-step upload.
 # Two bodies share the block's setup and its final merge of the warps: on CUDA cores
 # (lanes over elements) and on tensor cores (MMA over 8 positions at a time).
-_PARTIAL_SETUP = r"""    using namespace kvspec_attn;
+_PARTIAL_SETUP = (
+    r"""    using namespace kvspec_attn;
     constexpr float LOG2E = 1.4426950408889634f;
     const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ float shared[];
@@ -414,6 +454,8 @@ _PARTIAL_SETUP = r"""    using namespace kvspec_attn;
     using KeyRow = LaneRow<KFMT, EK, KBITS, KGROUP, KC, KS>;
     using ValueRow = LaneRow<VFMT, EV, VBITS, VGROUP, VC, VS>;
 """
+    + _ROW_LOADS
+)
 
 # Lane l owns elements [l EK, l EK + EK) of a row.
 _CORE_BODY = r"""    float q[G][EK];
@@ -446,10 +488,8 @@ _CORE_BODY = r"""    float q[G][EK];
     ValueRow next_values[STAGE];
     auto load = [&](int i, KeyRow& key, ValueRow& value) {
         const int t = first + i * WARPS;
-        key.load(k_codes, k_scales, k_biases, k_base + (long long)t * k_codes_strides[2],
-                 KFMT == 0 ? 0 : ks_base + (long long)t * k_scales_strides[2], lane);
-        value.load(v_codes, v_scales, v_biases, v_base + (long long)t * v_codes_strides[2],
-                   VFMT == 0 ? 0 : vs_base + (long long)t * v_scales_strides[2], lane);
+        load_key(key, t, lane);
+        load_value(value, t, lane);
     };
     if (stages > 0) {
         #pragma unroll
@@ -541,19 +581,9 @@ _MMA_BODY = r"""
     auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
         const int tk = start + 8 * c + row;
         const int tv = start + 8 * c + 2 * col;
-        if (tk < end) {
-            key.load(k_codes, k_scales, k_biases, k_base + (long long)tk * k_codes_strides[2],
-                     KFMT == 0 ? 0 : ks_base + (long long)tk * k_scales_strides[2], col);
-        }
-        if (tv < end) {
-            v0.load(v_codes, v_scales, v_biases, v_base + (long long)tv * v_codes_strides[2],
-                    VFMT == 0 ? 0 : vs_base + (long long)tv * v_scales_strides[2], row);
-        }
-        if (tv + 1 < end) {
-            v1.load(v_codes, v_scales, v_biases,
-                    v_base + (long long)(tv + 1) * v_codes_strides[2],
-                    VFMT == 0 ? 0 : vs_base + (long long)(tv + 1) * v_scales_strides[2], row);
-        }
+        if (tk < end) load_key(key, tk, col);
+        if (tv < end) load_value(v0, tv, row);
+        if (tv + 1 < end) load_value(v1, tv + 1, row);
     };
     KeyRow next_key;
     ValueRow next_v0, next_v1;
@@ -736,14 +766,26 @@ _ROWS_FROM_INPUT = "const int T = min(k_codes_shape[2], rows[0]);"
 assert all(source.count(_ROWS_FROM_SHAPE) == 1 for source in _PARTIAL_SOURCES.values())
 
 
+_SLOT_INPUTS = [
+    "slot_row",
+    *(f"new_{side}_{field}" for side in "kv" for field in ("codes", "scales", "biases")),
+]
+assert all(source.count(_ROW_LOADS) == 1 for source in _PARTIAL_SOURCES.values())
+
+
 @cache
-def _partial_kernel(shared_bytes: int, counted: bool, mma: bool) -> object:
+def _partial_kernel(shared_bytes: int, counted: bool, mma: bool, slot: bool) -> object:
     # The dynamic shared memory is fixed per kernel object: one per (G, DV). The counted
-    # variant takes one more input, `rows` (int32 [1]); the plain one is unchanged.
+    # variant takes one more input, `rows` (int32 [1]); the slot variant the write slot's
+    # row (int32 [1]) and the new position's fields; the plain one is unchanged.
     source = _PARTIAL_SOURCES[mma]
     if counted:
         source = source.replace(_ROWS_FROM_SHAPE, _ROWS_FROM_INPUT)
-    name = "kvspec_decode_attention" + ("_mma" if mma else "") + ("_counted" if counted else "")
+    if slot:
+        source = source.replace(_ROW_LOADS, _SLOT_ROW_LOADS)
+    name = "kvspec_decode_attention" + "".join(
+        suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
+    )
     return mx.fast.cuda_kernel(
         name=name,
         input_names=[
@@ -756,6 +798,7 @@ def _partial_kernel(shared_bytes: int, counted: bool, mma: bool) -> object:
             "v_biases",
             "table",
             *(["rows"] if counted else []),
+            *(_SLOT_INPUTS if slot else []),
         ],
         output_names=["partial", "stats"],
         source=source,
@@ -913,13 +956,16 @@ def decode_attention(
     out_dtype: mx.Dtype,
     rows: mx.array | None = None,
     tensor_cores: bool | None = None,
+    slot: tuple[mx.array, StoredSide, StoredSide] | None = None,
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row, [B, Hq, 1, Dv]
     in `out_dtype`. `table` is the value codebook and `signs` the sign vector of Dv for
     TURBO_VALUE (the output is unrotated); None otherwise. `rows` (int32 [1]), when given,
     limits the read to the first rows[0] rows as data (COMPILE-4): splits are planned for
     the whole buffer, and a split past the count reads nothing. `tensor_cores` picks the
-    pass-1 body (None: tensor cores wherever `tensor_core_fit`). Call only when
+    pass-1 body (None: tensor cores wherever `tensor_core_fit`). `slot` = (row, keys,
+    values), the compiled step's write slot (COMPILE-4): buffer row row[0] (int32 [1]) is
+    read from the new position's one-row sides instead of the buffers. Call only when
     `supported`."""
     B, Hq, N, _ = queries.shape
     _, Hk, T, _ = keys.codes.shape
@@ -940,13 +986,16 @@ def decode_attention(
         tensor_cores = tensor_core_fit(keys, values)
     elif tensor_cores and not tensor_core_fit(keys, values):
         raise ValueError(f"the tensor-core body does not take dims {keys.dim}, {values.dim}")
-    partial, stats = _partial_kernel(plan.shared_bytes, rows is not None, tensor_cores)(
+    slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1]), *_fields(slot[2])]
+    kernel = _partial_kernel(plan.shared_bytes, rows is not None, tensor_cores, slot is not None)
+    partial, stats = kernel(
         inputs=[
             queries,
             *_fields(keys),
             *_fields(values),
             codebook,
             *([] if rows is None else [rows]),
+            *slot_inputs,
         ],
         template=plan.partial_template,
         grid=(splits * threads, B * Hk, 1),
