@@ -11,7 +11,7 @@ from kvspec.accelerated import turboquant
 from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredSide
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
-from kvspec.accelerated.caches.reads import running
+from kvspec.accelerated.caches.reads import SlotRead, running
 from kvspec.reference.caches import turboquant as reference
 from kvspec.reference.caches.protocol import Read
 from kvspec.reference.caches.storage import Fields
@@ -42,9 +42,15 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
         """READ-2's read of live fields with this cache's kernels (TQC-4)."""
         if self.kernels == "dense":
             return super()._read_of(live)
-        t, head_dim = self._tensor_and_head_dim(live)
-        keys, rotated = turboquant.decode(t, t.k_idx.shape[2], head_dim, defer_v=True)
-        return self.deferred_read(keys, rotated, None)
+        return self.deferred_read(*self._decode_rotated(live), None)
+
+    def _slot_decoded(self, fields: Fields, new: Fields, visible: mx.array) -> Read:
+        """COMPILE-4 with this cache's kernels (TQC-4): the deferred ones attend over the
+        values left rotated and unrotate the output."""
+        if self.kernels == "dense":
+            return super()._slot_decoded(fields, new, visible)
+        rotated = (*self._decode_rotated(fields), *self._decode_rotated(new))
+        return SlotRead(*rotated, visible, turboquant.unrotate)
 
     def _stored_sides(
         self, fields: Fields
