@@ -15,6 +15,7 @@ plain-read bandwidth measured in this run. Absolute times mean something only on
     python tools/bench.py --contexts 4096 --json rows.json
     python tools/bench.py --quick               # tiny shapes: checks the paths run
     python tools/bench.py --contexts 1024 --compiled-only   # compiled against eager, per kind
+    python tools/bench.py --compiled-only --kinds TurboQuant    # only the kinds named so
 """
 
 from __future__ import annotations
@@ -181,10 +182,15 @@ def baseline_rows(
 
 
 def step_rows(
-    context: int, layers: int, repeats: int, bandwidth: float, compiled_only: bool = False
+    context: int,
+    kinds: dict[str, Callable[[int], caches.Cache]],
+    layers: int,
+    repeats: int,
+    bandwidth: float,
+    compiled_only: bool = False,
 ) -> list[Row]:
-    """The decode-step table at one context: baselines, then every kind's step, read and
-    compiled step; with `compiled_only`, the compiled steps alone."""
+    """The decode-step table at one context: baselines, then each of `kinds`' step, read
+    and compiled step; with `compiled_only`, the compiled steps alone."""
     scale = HEAD_DIM**-0.5
     q = mx.random.normal((1, QUERY_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
     k1, v1 = random_kv(1)
@@ -193,7 +199,7 @@ def step_rows(
     if not compiled_only:
         rows = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
 
-    for name, factory in KINDS.items():
+    for name, factory in kinds.items():
         layer_caches = [factory(context + repeats + 8) for _ in range(layers)]
         for cache in layer_caches:
             cache.append_window(prefill_k, prefill_v)
@@ -365,7 +371,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="only the compiled step against the eager step, per kind",
     )
+    parser.add_argument(
+        "--kinds", nargs="+", metavar="TEXT", help="only the kinds whose names contain a TEXT"
+    )
     args = parser.parse_args(argv)
+    kinds = {
+        name: factory
+        for name, factory in KINDS.items()
+        if not args.kinds or any(text in name for text in args.kinds)
+    }
+    if not kinds:
+        parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
     if args.quick:
         args.contexts, args.layers, args.repeats, args.encode_positions = [64], 2, 2, 64
     print(f"device: {mx.default_device()}  mlx {mx.__version__}  layers {args.layers}")
@@ -376,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plain read bandwidth: {bandwidth / 1e12:.2f} TB/s")
     rows = []
     for context in args.contexts:
-        rows += step_rows(context, args.layers, args.repeats, bandwidth, args.compiled_only)
+        rows += step_rows(context, kinds, args.layers, args.repeats, bandwidth, args.compiled_only)
     if not args.compiled_only:
         rows += encode_rows(args.encode_positions, args.repeats)
     print_rows(rows)

@@ -44,3 +44,13 @@ def test_compiled_only_reports_compiled_against_eager(tmp_path: Path, capsys) ->
         assert row["us"] > 0 and row["eager_us"] > 0
         assert row["ratio"] == pytest.approx(row["us"] / row["eager_us"])
     assert "compiled / eager" in capsys.readouterr().out
+
+
+def test_kinds_picks_kinds_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["--quick", "--compiled-only", "--kinds", "Rotating", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["what"] for row in rows} == {name for name in bench.KINDS if "Rotating" in name}
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--kinds", "no such kind"])
