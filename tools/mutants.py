@@ -375,8 +375,8 @@ CATALOGUE = (
     Mutant(
         "mlx-slot-values-unmasked",
         "accelerated/caches/reads.py",
-        "mx.where(self.visible[:, None], self.values.astype(mx.float32), 0.0)",
-        "self.values.astype(mx.float32)",
+        "            mx.where(hidden, mx.zeros((), field.dtype), field)\n",
+        "            field\n",
         "the MLX write-slot read multiplies hidden rows' values by zero weights (COMPILE-4)",
         (f"{COMPILED}::test_stale_rows_reach_no_output",),
     ),

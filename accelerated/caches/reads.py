@@ -42,8 +42,9 @@ class SlotRead:
     """COMPILE-4's write-slot read with MLX ops: the stored rows [B, Hk, T, *] decoded where
     they lie, of which the read sees those `visible` marks (bool [T]), and the new position
     [B, Hk, 1, *] held apart, in one softmax. No buffer is copied: hidden rows are masked
-    out of the scores and zeroed in the values' widening to float32 (a stale row or a NaN
-    group a trim left behind reaches no output). `unrotate` is TQ-8's, for values left
+    out of the scores, and their values must be zero (a stale row or a NaN group a trim
+    left behind would reach the output through a zero weight: the storages zero them where
+    it costs least, `ReadMethods._values_hidden`). `unrotate` is TQ-8's, for values left
     rotated (TQC-4's deferred kernels); None otherwise."""
 
     keys: mx.array
@@ -69,7 +70,7 @@ class SlotRead:
         weights = mx.softmax(
             mx.concatenate([scores, new_scores], axis=-1).astype(mx.float32), axis=-1
         )
-        values = mx.where(self.visible[:, None], self.values.astype(mx.float32), 0.0)
+        values = self.values.astype(mx.float32)
         out = weights[..., :T] @ values + weights[..., T:] * self.new_values.astype(mx.float32)
         if self.unrotate is not None:
             out = self.unrotate(out)
@@ -217,8 +218,24 @@ class ReadMethods(reads.ReadMethods):
 
     def _slot_decoded(self, fields: Fields, new: Fields, visible: mx.array) -> Read:
         """The write-slot read of stored rows `fields` and the new position's fields `new`,
-        both decoded as READ-2's read decodes them."""
-        return SlotRead(*self._decode(fields), *self._decode(new), visible)
+        both decoded as READ-2's read decodes them, hidden rows' values zero."""
+        stored = self._decode(self._values_hidden(fields, visible))
+        return SlotRead(*stored, *self._decode(new), visible)
+
+    #: The fields whose zero makes a row's values decode to zero: here the values
+    #: themselves; scales (and biases) where codes are multiplied by them.
+    value_magnitudes: tuple[int, ...] = (1,)
+
+    def _values_hidden(self, fields: Fields, visible: mx.array) -> Fields:
+        """`fields` with the `value_magnitudes` fields of the rows `visible` (bool [T]) does
+        not mark zeroed: one pass over the smallest fields that zero the decoded values."""
+        hidden = ~visible[:, None]
+        return tuple(
+            mx.where(hidden, mx.zeros((), field.dtype), field)
+            if i in self.value_magnitudes
+            else field
+            for i, field in enumerate(fields)
+        )
 
     def _read_of(self, live: Fields) -> Read:
         """READ-2's read of live fields, decoded."""

@@ -32,6 +32,8 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
 
     turboquant: ModuleType = turboquant
     deferred_read: type[reference.DeferredRead] = DeferredRead
+    #: v_scales: a zero scale decodes a value group to zero (TQ-8).
+    value_magnitudes = (4,)
 
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
         """DEFER-1 .. DEFER-3 with the running rank folded inside the encode (TQ-10)."""
@@ -49,8 +51,8 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
         values left rotated and unrotate the output."""
         if self.kernels == "dense":
             return super()._slot_decoded(fields, new, visible)
-        rotated = (*self._decode_rotated(fields), *self._decode_rotated(new))
-        return SlotRead(*rotated, visible, turboquant.unrotate)
+        stored = self._decode_rotated(self._values_hidden(fields, visible))
+        return SlotRead(*stored, *self._decode_rotated(new), visible, turboquant.unrotate)
 
     def _stored_sides(
         self, fields: Fields
