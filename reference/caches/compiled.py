@@ -128,11 +128,12 @@ class DecodeStepMethods:
     def decode_slot(self, plan: DecodePlan) -> DecodeSlot:
         """COMPILE-3: the graph's key, and a trace over a copy of this storage's parameters
         made when it traces (no arrays: a compiled graph would keep them as constants)."""
-        fields = self._windows(plan)
+        fields = self._room_of(plan).fields
+        rows = self._window_rows(plan, fields[0].shape[2])
         key = (
             type(self).__qualname__,
             self._graph_parameters(),
-            tuple((field.shape, field.dtype) for field in fields),
+            tuple(((*field.shape[:2], rows, *field.shape[3:]), field.dtype) for field in fields),
         )
         count = len(fields)
         encoding = bool(self.deferred_checks)
@@ -183,6 +184,8 @@ class DecodeStepMethods:
         made with."""
         fields = self._room_of(plan).fields
         rows = self._window_rows(plan, fields[0].shape[2])
+        if rows == fields[0].shape[2]:
+            return tuple(fields)
         return tuple(field[:, :, :rows] for field in fields)
 
     def _window_rows(self, plan: DecodePlan, length: int) -> int:
