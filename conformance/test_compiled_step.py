@@ -434,6 +434,48 @@ def test_stale_rows_reach_no_output(backend, factory, length, nan_at, trim) -> N
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize(
+    ("factory", "length"),
+    [
+        (lambda m: m.KVCache(), 5),
+        (lambda m: m.RotatingKVCache(4), 6),
+        (lambda m: m.QuantizedKVCache(32, 4, checks="deferred"), 5),
+        (lambda m: m.TurboQuantKVCache(8, 4, "deferred"), 5),
+    ],
+    ids=["kv", "full ring", "affine", "turbo"],
+)
+def test_write_slot_joins_what_the_commit_stores(backend, factory, length) -> None:
+    """COMPILE-4 on CUDA, checked on any device: until the decode-attention kernels take the
+    write slot apart, they read the window with the new position joined in at the write
+    row, which must be the rows the commit then stores."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's kernel read")
+    from kvspec.accelerated.caches.reads import WriteSlot
+
+    cache = _prefilled(backend, factory, length)
+    plan = cache.prepare_decode_step()
+    slot = cache.decode_slot(plan)
+    inputs = cache.decode_inputs(plan)
+    trace = slot.trace(inputs)
+    trace.append_decode(*_decode_args(backend, 1)[:2])
+    count = len(cache.stored_fields())
+    keys, values, _, _ = cache._stored_sides(inputs[:count])
+    new_keys, new_values, _, _ = cache._stored_sides(trace.outputs[:count])
+    joined = WriteSlot(inputs[count], new_keys, new_values).joined(keys, values)
+    stored = cache.commit_decode_step(slot, trace.outputs)
+    rows = plan.active_length
+    want = [field[:, :, :rows] for field in stored]
+    got = [
+        array[:, :, :rows]
+        for side in joined
+        for array in (side.codes, side.scales, side.biases)
+        if array is not None
+    ]
+    assert len(got) == len(want)
+    for i, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert_same_bits(backend.to_numpy(x), backend.to_numpy(y), f"field {i}")
+
+
 def test_bf16_first_commit_checks_convertible(backend) -> None:
     """B16F-3 under COMPILE-5: before the switch, a position the converted storage could not
     hold is refused by the commit, and the cache is as it was."""
