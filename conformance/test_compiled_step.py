@@ -140,14 +140,20 @@ class Session:
         return random_kv(seed, (1, KV_HEADS, length, self.head_dim), self.head_dim, self.dtype)
 
     def prefill(self, seed: int, length: int) -> None:
-        k, v = self.kv(seed, length)
+        self.append_window(*self.kv(seed, length))
+
+    def append_window(self, k: np.ndarray, v: np.ndarray) -> None:
         self.model.append_window(k, v)
         for cache in self.compiled_cache, self.eager_cache:
             cache.append_window(self.backend.from_numpy(k), self.backend.from_numpy(v))
 
-    def decode(self, seed: int) -> None:
+    def trim(self, n: int) -> None:
+        for cache in self.model, self.compiled_cache, self.eager_cache:
+            cache.trim(n)
+
+    def decode(self, seed: int) -> Any:
         """One step on all three; the compiled read within the bound of the model's, every
-        stored bit the model's."""
+        stored bit the model's. Returns the compiled read's output."""
         k, v = self.kv(seed, 1)
         queries = _queries(seed, self.head_dim, self.dtype)
         expected = self.model.append_decode(k, v)
@@ -158,6 +164,7 @@ class Session:
         assert_same_state(self.model, self.compiled_cache, self.backend)
         assert_same_state(self.model, self.eager_cache, self.backend)
         self.compiled_cache.check_invariants()
+        return got
 
 
 @pytest.mark.parametrize("checks", ["eager", "deferred"])
@@ -268,9 +275,10 @@ def _counting_step(backend, caches: list[Any]):
 
 
 def test_one_graph_per_slot_key(backend) -> None:
-    """COMPILE-3, COMPILE-6: a growable cache recompiles when it grows (every 256 positions),
-    a full ring never, a bf16-first cache at its switch; in between the graph is replayed
-    (with mx.compile the step function runs once per graph)."""
+    """COMPILE-3, COMPILE-6: a growable cache recompiles when its read window moves a step
+    (WINDOW_STEP positions) or its buffers grow (every 256), a full ring never, a
+    bf16-first cache at its switch; in between the graph is replayed (with mx.compile the
+    step function runs once per graph)."""
     caches = [
         _prefilled(backend, lambda m: m.QuantizedKVCache(64, 4), 253),
         _prefilled(backend, lambda m: m.RotatingKVCache(8), 12),
@@ -279,27 +287,43 @@ def test_one_graph_per_slot_key(backend) -> None:
     step, calls = _counting_step(backend, caches)
     for seed in range(8):
         step(*_decode_args(backend, seed))
-    # The growable cache grows at offset 256 and the bf16-first one switches at 253 and
-    # grows its converted storage (capacity 253) on the same step: steps 0..2, 3..7.
-    assert len(step.graphs) == 2
     assert caches[0].offset == 261 and caches[2].converted and caches[2].offset == 258
+    # Whole buffers: the growable cache grows at offset 256 and the bf16-first one switches
+    # at 253 and grows its converted storage (capacity 253) on the same step: steps 0..2,
+    # 3..7. Windows of WINDOW_STEP = 32 rows: the growable cache reads 256 rows, then 288
+    # from step 3 (active length 257); the bf16-first one switches at step 3 and its window
+    # moves from 256 to 288 rows at step 6: steps 0..2, 3..5, 6..7.
+    graphs = 2 if _whole_buffers(backend) else 3
+    assert len(step.graphs) == graphs
     if backend.package == "kvspec.accelerated":
-        assert len(calls) == 2
+        assert len(calls) == graphs
     else:
         assert len(calls) == 8
 
 
+def _whole_buffers(backend) -> bool:
+    """Whether the backend's compiled step reads whole buffers (COMPILE-3): the MLX backend
+    on CUDA, whose kernels take the live row count as data."""
+    if backend.package != "kvspec.accelerated":
+        return False
+    from kvspec.accelerated.device import fused_kernels_enabled
+
+    return fused_kernels_enabled()
+
+
 def test_only_the_newest_graphs_are_kept(backend) -> None:
-    """COMPILE-6: a key tuple per restored capacity; the oldest graphs are dropped."""
-    cache = _prefilled(backend, lambda m: m.KVCache(), 12)
+    """COMPILE-6: a key tuple per restored capacity (and read window); the oldest graphs are
+    dropped."""
+    compiled = backend.module("caches.compiled")
+    cache = _prefilled(backend, lambda m: m.KVCache(), 7 * compiled.WINDOW_STEP)
     state = cache.state()
-    step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
-    for rows in range(1, 8):
+    step = compiled.compile_decode(attend_each, [cache])
+    for rows in range(compiled.WINDOW_STEP, 8 * compiled.WINDOW_STEP, compiled.WINDOW_STEP):
         arrays = tuple(backend.from_numpy(backend.to_numpy(a)[:, :, :rows]) for a in state.arrays)
         cache.restore_state(replace(state, arrays=arrays, offset=rows))
         step(*_decode_args(backend, rows))
         assert cache.offset == rows + 1
-    assert len(step.graphs) == backend.module("caches.compiled").KEPT_GRAPHS == 4
+    assert len(step.graphs) == compiled.KEPT_GRAPHS == 4
 
 
 def test_switch_step_reads_plain_then_converted(backend) -> None:
@@ -357,6 +381,93 @@ def test_deferred_checks_record_the_rank(backend) -> None:
     assert_same_state_bits(backend, compiled, eager)
 
 
+#: Caches that hold a NaN row where the next compiled step must not read it (COMPILE-4):
+#: (id, factory, prefill length, NaN position, trim). Growable: the NaN row is trimmed back
+#: to the write row (stale: the new position replaces it), with rows beyond it; a full
+#: ring: the NaN row is the oldest, the row the step evicts.
+STALE_ROWS: list[tuple[str, Callable[[ModuleType], Any], int, int, int]] = [
+    ("kv write row", lambda m: m.KVCache(), 6, 3, 3),
+    ("turbo write row", lambda m: m.TurboQuantKVCache(8, 4, checks="deferred"), 6, 3, 3),
+    (
+        "turbo deferred write row",
+        lambda m: m.TurboQuantKVCache(8, 4, "deferred", checks="deferred"),
+        5,
+        4,
+        1,
+    ),
+    ("affine write row", lambda m: m.QuantizedKVCache(32, 4, checks="deferred"), 4, 2, 2),
+    ("full ring evicted row", lambda m: m.RotatingKVCache(4), 4, 0, 0),
+    ("full ring keep 1 evicted row", lambda m: m.RotatingKVCache(4, 1), 4, 1, 0),
+    (
+        "full affine ring evicted row",
+        lambda m: m.RotatingQuantizedKVCache(4, 32, 4, 0, checks="deferred"),
+        4,
+        0,
+        0,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("factory", "length", "nan_at", "trim"),
+    [c[1:] for c in STALE_ROWS],
+    ids=[c[0] for c in STALE_ROWS],
+)
+def test_stale_rows_reach_no_output(backend, factory, length, nan_at, trim) -> None:
+    """COMPILE-4: the step reads the new position apart from the write row's old content
+    and sees no row at or beyond the active length: a NaN there reaches no output, and the
+    read is within the bound of the eager read of the model, which never held it."""
+    session = Session(backend, lambda m, checks: factory(m), "eager", 64, np.float32)
+    k, v = session.kv(11, length)
+    v[0, 1, nan_at, 5] = np.nan
+    session.append_window(k, v)
+    if trim:
+        session.trim(trim)
+    for cache in session.model, session.compiled_cache, session.eager_cache:
+        if cache.checks == "deferred":
+            with pytest.raises(ValueError, match="NaN or inf"):
+                cache.check()
+        assert cache.prepare_decode_step().write_position == nan_at, "the write row is NaN"
+    got = backend.to_numpy(session.decode(12))
+    assert np.isfinite(got).all()
+    got = backend.to_numpy(session.decode(13))
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize(
+    ("factory", "length"),
+    [
+        (lambda m: m.KVCache(), 5),
+        (lambda m: m.RotatingKVCache(4), 6),
+        (lambda m: m.QuantizedKVCache(32, 4, checks="deferred"), 5),
+        (lambda m: m.TurboQuantKVCache(8, 4, "deferred"), 5),
+    ],
+    ids=["kv", "full ring", "affine", "turbo"],
+)
+def test_write_slot_holds_what_the_commit_stores(backend, factory, length) -> None:
+    """COMPILE-4 on CUDA, checked on any device: the decode-attention kernels read the write
+    row from the slot's fields and every other live row from the buffers given to the graph,
+    so the commit must store exactly the slot's fields at that row and leave the others."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's kernel read")
+    cache = _prefilled(backend, factory, length)
+    plan = cache.prepare_decode_step()
+    slot = cache.decode_slot(plan)
+    inputs = cache.decode_inputs(plan)
+    trace = slot.trace(inputs)
+    trace.append_decode(*_decode_args(backend, 1)[:2])
+    count = len(cache.stored_fields())
+    buffers = [backend.to_numpy(field) for field in inputs[:count]]
+    new = [backend.to_numpy(field) for field in trace.outputs[:count]]
+    stored = cache.commit_decode_step(slot, trace.outputs)
+    position, rows = plan.write_position, plan.active_length
+    for i, field in enumerate(stored):
+        field = backend.to_numpy(field)
+        assert_same_bits(field[:, :, position], new[i][:, :, 0], f"field {i}, the write row")
+        kept = [row for row in range(rows) if row != position]
+        assert_same_bits(field[:, :, kept], buffers[i][:, :, kept], f"field {i}, other rows")
+
+
 def test_bf16_first_commit_checks_convertible(backend) -> None:
     """B16F-3 under COMPILE-5: before the switch, a position the converted storage could not
     hold is refused by the commit, and the cache is as it was."""
@@ -390,8 +501,12 @@ def test_trace_reads_with_the_cache_kernels(backend) -> None:
         # demand; the decoded read is the one the kernels name.
         decoded = getattr(read, "decoded", None)
         read = decoded() if callable(decoded) else read
-        assert isinstance(read, DeferredRead) == (kernels == "deferred")
-        assert isinstance(read, DenseRead) == (kernels == "dense")
+        if backend.package == "kvspec.accelerated":
+            # MLX's write-slot read: values left rotated iff it unrotates its output.
+            assert (read.unrotate is not None) == (kernels == "deferred")
+        else:
+            assert isinstance(read, DeferredRead) == (kernels == "deferred")
+            assert isinstance(read, DenseRead) == (kernels == "dense")
         assert len(trace.outputs) == slot.outputs == 6
         assert cache.offset == 5, "a trace changes nothing"
     assert len(keys) == len(KERNELS)

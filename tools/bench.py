@@ -16,6 +16,8 @@ the GPU machine.
     python tools/bench.py                       # the table at 1k .. 128k positions
     python tools/bench.py --contexts 4096 --json rows.json
     python tools/bench.py --quick               # tiny shapes: checks the paths run
+    python tools/bench.py --contexts 1024 --compiled-only   # compiled against eager, per kind
+    python tools/bench.py --compiled-only --kinds TurboQuant    # only the kinds named so
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class Row:
     bytes_per_token: int = 0
     floor_fraction: float = 0.0
     host_us: float = 0.0
+    #: Compiled rows: the eager step's wall and host time in the same turns.
+    eager_us: float = 0.0
+    eager_host_us: float = 0.0
 
 
 def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -179,16 +184,25 @@ def baseline_rows(
     ]
 
 
-def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list[Row]:
-    """The decode-step table at one context: baselines, then every kind's step and read."""
+def step_rows(
+    context: int,
+    kinds: dict[str, Callable[[int], caches.Cache]],
+    layers: int,
+    repeats: int,
+    bandwidth: float,
+    compiled_only: bool = False,
+) -> list[Row]:
+    """The decode-step table at one context: baselines, then each of `kinds`' step, read
+    and compiled step; with `compiled_only`, the compiled steps alone."""
     scale = HEAD_DIM**-0.5
     q = mx.random.normal((1, QUERY_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
     k1, v1 = random_kv(1)
     prefill_k, prefill_v = random_kv(context)
-    rows = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
-    bare = rows[0].us / 1e6
+    rows = []
+    if not compiled_only:
+        rows = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
 
-    for name, factory in KINDS.items():
+    for name, factory in kinds.items():
         layer_caches = [factory(context + repeats + 8) for _ in range(layers)]
         for cache in layer_caches:
             cache.append_window(prefill_k, prefill_v)
@@ -197,48 +211,11 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
         def eager_step(cs: list = layer_caches) -> list[mx.array]:
             return [c.append_decode(k1, v1).attend(q, scale) for c in cs]
 
-        step, host = timed(eager_step, repeats)
-        step, host = step / layers, host / layers
         per_token = layer_caches[0].bytes_per_token()
-        reads = [c.append_decode(k1, v1) for c in layer_caches]
-        attend, attend_host = timed(lambda rs=reads: [r.attend(q, scale) for r in rs], repeats)
-        attend, attend_host = attend / layers, attend_host / layers
-        floor = per_token * layer_caches[0].offset / bandwidth
-        # The kernels' share of the read: its wall time less building the graph on the host.
-        device = max(attend - attend_host, 1e-9)
-        cores = [cuda_core_attend(read, q, scale) for read in reads]
-        if all(cores):
-            core_time, core_host = timed(lambda cs=cores: [c() for c in cs], repeats)
-            core_time, core_host = core_time / layers, core_host / layers
-            core_device = max(core_time - core_host, 1e-9)
-            rows.append(
-                Row(
-                    "attend",
-                    f"{name} on CUDA cores",
-                    context,
-                    core_time * 1e6,
-                    core_time / bare,
-                    per_token,
-                    floor / core_device,
-                    core_host * 1e6,
-                )
-            )
-        rows.append(
-            Row("step", name, context, step * 1e6, step / bare, per_token, host_us=host * 1e6)
-        )
-        rows.append(
-            Row(
-                "attend",
-                name,
-                context,
-                attend * 1e6,
-                attend / bare,
-                per_token,
-                floor / device,
-                attend_host * 1e6,
-            )
-        )
-        (eager, _), (compiled, compiled_host) = taking_turns(
+        if not compiled_only:
+            bare = rows[0].us / 1e6
+            rows += eager_rows(name, context, layer_caches, eager_step, q, repeats, bandwidth, bare)
+        (eager, eager_host), (compiled, compiled_host) = taking_turns(
             [eager_step, compiled_step(layer_caches, k1, v1, q)],
             repeats,
         )
@@ -251,11 +228,70 @@ def step_rows(context: int, layers: int, repeats: int, bandwidth: float) -> list
                 compiled / eager,
                 per_token,
                 host_us=compiled_host / layers * 1e6,
+                eager_us=eager / layers * 1e6,
+                eager_host_us=eager_host / layers * 1e6,
             )
         )
         for cache in layer_caches:
             cache.check()
-        del layer_caches, reads
+        del layer_caches
+    return rows
+
+
+def eager_rows(
+    name: str,
+    context: int,
+    layer_caches: list[caches.Cache],
+    eager_step: Callable[[], list[mx.array]],
+    q: mx.array,
+    repeats: int,
+    bandwidth: float,
+    bare: float,
+) -> list[Row]:
+    """A kind's eager step over `layer_caches` (median of `repeats`) and, on the caches it
+    leaves, the read's attention alone against its byte floor; ratios to `bare` seconds."""
+    scale = HEAD_DIM**-0.5
+    layers = len(layer_caches)
+    step, host = timed(eager_step, repeats)
+    step, host = step / layers, host / layers
+    per_token = layer_caches[0].bytes_per_token()
+    k1, v1 = random_kv(1)
+    reads = [c.append_decode(k1, v1) for c in layer_caches]
+    attend, attend_host = timed(lambda: [r.attend(q, scale) for r in reads], repeats)
+    attend, attend_host = attend / layers, attend_host / layers
+    floor = per_token * layer_caches[0].offset / bandwidth
+    # The kernels' share of the read: its wall time less building the graph on the host.
+    device = max(attend - attend_host, 1e-9)
+    rows = [
+        Row("step", name, context, step * 1e6, step / bare, per_token, host_us=host * 1e6),
+        Row(
+            "attend",
+            name,
+            context,
+            attend * 1e6,
+            attend / bare,
+            per_token,
+            floor / device,
+            attend_host * 1e6,
+        ),
+    ]
+    cores = [cuda_core_attend(read, q, scale) for read in reads]
+    if all(cores):
+        core, core_host = timed(lambda: [attend_on_cores() for attend_on_cores in cores], repeats)
+        core, core_host = core / layers, core_host / layers
+        core_device = max(core - core_host, 1e-9)
+        rows.append(
+            Row(
+                "attend",
+                f"{name} on CUDA cores",
+                context,
+                core * 1e6,
+                core / bare,
+                per_token,
+                floor / core_device,
+                core_host * 1e6,
+            )
+        )
     return rows
 
 
@@ -328,10 +364,11 @@ def print_rows(rows: list[Row]) -> None:
         chosen = [row for row in rows if row.table == table]
         if not chosen:
             continue
+        if table == "compiled":
+            print_compiled(chosen, width)
+            continue
         if table == "encode":
             print("\nencode: one call over all positions  (ratio: copy time / encode time)")
-        elif table == "compiled":
-            print("\ncompiled: the step as one compiled graph, per layer  (ratio: fastest x eager)")
         else:
             print(f"\n{table}: per layer  (ratio: x bare bf16 SDPA; floor: byte floor / device)")
         header = f"{'context':>7}  {'us':>8}  {'ratio':>6}  {'B/token':>7}  {'floor':>5}  host"
@@ -346,6 +383,22 @@ def print_rows(rows: list[Row]) -> None:
             )
 
 
+def print_compiled(rows: list[Row], width: int) -> None:
+    """The compiled table: each kind's compiled and eager step of the same turns."""
+    print(
+        "\ncompiled: the step as one compiled graph against the eager step, per layer, "
+        "fastest of the turns  (ratio: compiled / eager; host: eager -> compiled)"
+    )
+    header = f"{'context':>7}  {'compiled':>9}  {'eager':>9}  {'ratio':>6}  {'host us':>15}"
+    print(f"{'':{width}}  {header}")
+    for row in rows:
+        host = f"{row.eager_host_us:.1f} -> {row.host_us:.1f}"
+        print(
+            f"{row.what:{width}}  {row.context:7d}  {row.us:9.1f}  {row.eager_us:9.1f}  "
+            f"{row.ratio:6.2f}  {host:>15}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -356,16 +409,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--encode-positions", type=int, default=32768)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument(
+        "--compiled-only",
+        action="store_true",
+        help="only the compiled step against the eager step, per kind",
+    )
+    parser.add_argument(
+        "--kinds", nargs="+", metavar="TEXT", help="only the kinds whose names contain a TEXT"
+    )
     args = parser.parse_args(argv)
+    kinds = {
+        name: factory
+        for name, factory in KINDS.items()
+        if not args.kinds or any(text in name for text in args.kinds)
+    }
+    if not kinds:
+        parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
     if args.quick:
         args.contexts, args.layers, args.repeats, args.encode_positions = [64], 2, 2, 64
     print(f"device: {mx.default_device()}  mlx {mx.__version__}  layers {args.layers}")
-    bandwidth = read_bandwidth(4 if args.quick else 1024, args.repeats)
-    print(f"plain read bandwidth: {bandwidth / 1e12:.2f} TB/s")
+    # Only the read table's byte floor needs the bandwidth.
+    bandwidth = 0.0
+    if not args.compiled_only:
+        bandwidth = read_bandwidth(4 if args.quick else 1024, args.repeats)
+        print(f"plain read bandwidth: {bandwidth / 1e12:.2f} TB/s")
     rows = []
     for context in args.contexts:
-        rows += step_rows(context, args.layers, args.repeats, bandwidth)
-    rows += encode_rows(args.encode_positions, args.repeats)
+        rows += step_rows(context, kinds, args.layers, args.repeats, bandwidth, args.compiled_only)
+    if not args.compiled_only:
+        rows += encode_rows(args.encode_positions, args.repeats)
     print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -59,6 +59,7 @@ MASKS = "conformance/test_masks.py"
 CONVERSIONS = "conformance/test_conversions.py"
 DECODE = "conformance/test_decode_step.py"
 GOLDEN = "conformance/test_golden.py"
+COMPILED = "conformance/test_compiled_step.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -361,6 +362,23 @@ CATALOGUE = (
         "        rows = self._live_rows() - 1\n",
         "the MLX decode read leaves out the position just appended (READ-2, READ-7)",
         (f"{KV}::test_kv_cache_machine", DECODE),
+    ),
+    # -- the compiled step's write slot (COMPILE-4) --------------------------------------
+    Mutant(
+        "slot-reads-stale-write-row",
+        "reference/caches/compiled.py",
+        "        return (rows < active_length) & (rows != position)\n",
+        "        return rows < active_length\n",
+        "the compiled step also reads the write row's old content (COMPILE-4)",
+        (f"{COMPILED}::test_stale_rows_reach_no_output",),
+    ),
+    Mutant(
+        "mlx-slot-values-unmasked",
+        "accelerated/caches/reads.py",
+        "            mx.where(hidden, mx.zeros((), field.dtype), field)\n",
+        "            field\n",
+        "the MLX write-slot read multiplies hidden rows' values by zero weights (COMPILE-4)",
+        (f"{COMPILED}::test_stale_rows_reach_no_output",),
     ),
 )
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import bench
+import pytest
 
 
 def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
@@ -17,7 +18,9 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
     steps = {row["what"] for row in rows if row["table"] == "step"}
     assert set(bench.KINDS) <= steps
     assert {"bare bf16 SDPA (no append)", "mlx-lm quantized attention 4-bit g64"} <= steps
-    assert {row["what"] for row in rows if row["table"] == "compiled"} == set(bench.KINDS)
+    compiled = [row for row in rows if row["table"] == "compiled"]
+    assert {row["what"] for row in compiled} == set(bench.KINDS)
+    assert all(row["eager_us"] > 0 for row in compiled)
     reads = [row for row in rows if row["table"] == "attend"]
     assert {row["what"] for row in reads} == set(bench.KINDS)
     for row in rows:
@@ -29,3 +32,25 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
         "affine quantize_deferred 4-bit g64 (k, v)",
     }
     assert "plain read bandwidth" in capsys.readouterr().out
+
+
+def test_compiled_only_reports_compiled_against_eager(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "rows.json"
+    assert bench.main(["--quick", "--compiled-only", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["table"] for row in rows} == {"compiled"}
+    assert {row["what"] for row in rows} == set(bench.KINDS)
+    for row in rows:
+        assert row["us"] > 0 and row["eager_us"] > 0
+        assert row["ratio"] == pytest.approx(row["us"] / row["eager_us"])
+    assert "compiled / eager" in capsys.readouterr().out
+
+
+def test_kinds_picks_kinds_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["--quick", "--compiled-only", "--kinds", "Rotating", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["what"] for row in rows} == {name for name in bench.KINDS if "Rotating" in name}
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--kinds", "no such kind"])

@@ -16,6 +16,7 @@ import mlx.core as mx
 from kvspec.reference.caches import compiled
 from kvspec.reference.caches.compiled import (
     KEPT_GRAPHS,
+    WINDOW_STEP,
     DecodePlan,
     DecodeRoom,
     DecodeSlot,
@@ -25,6 +26,7 @@ from kvspec.reference.caches.compiled import (
 
 __all__ = [
     "KEPT_GRAPHS",
+    "WINDOW_STEP",
     "CompiledDecode",
     "DecodePlan",
     "DecodeRoom",

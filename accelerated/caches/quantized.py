@@ -22,6 +22,8 @@ class AffineFields(quantized.AffineFields):
     """The six affine fields (QKV-1) through the MLX affine codec."""
 
     affine: ModuleType = affine
+    #: v_scales and v_biases: zero both and a value decodes to zero (AFF-6).
+    value_magnitudes = (4, 5)
 
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
         """DEFER-1 .. DEFER-3 with the running rank folded inside the encodes: no op of its

@@ -1,10 +1,13 @@
 """Reads on MLX (spec READ-1 .. READ-7): the reference's reads, bound to MLX arrays, masks
-and `mx.fast.scaled_dot_product_attention`; and the decode read of stored fields, whose
-attention reads the codes where they lie (READ-7)."""
+and `mx.fast.scaled_dot_product_attention`; the decode read of stored fields, whose
+attention reads the codes where they lie (READ-7); and the compiled step's write-slot read
+(COMPILE-4), which attends over the stored rows where they lie and the new position held
+apart."""
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -18,6 +21,7 @@ from kvspec.accelerated.caches.attention import attention, check_queries
 from kvspec.accelerated.caches.protocol import Mask, Read
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import reads
+from kvspec.reference.caches.compiled import DecodePlan
 from kvspec.reference.caches.storage import Fields
 
 
@@ -31,6 +35,58 @@ class PositionwiseRead(reads.PositionwiseRead):
     """READ-4's one decode read per position, outputs joined on MLX."""
 
     xp = mx
+
+
+@dataclass(frozen=True)
+class SlotRead:
+    """COMPILE-4's write-slot read with MLX ops: the stored rows [B, Hk, T, *] decoded where
+    they lie, of which the read sees those `visible` marks (bool [T]), and the new position
+    [B, Hk, 1, *] held apart, in one softmax. No buffer is copied: hidden rows are masked
+    out of the scores, and their values must be zero (a stale row or a NaN group a trim
+    left behind would reach the output through a zero weight: the storages zero them where
+    it costs least, `ReadMethods._values_hidden`). `unrotate` is TQ-8's, for values left
+    rotated (TQC-4's deferred kernels); None otherwise."""
+
+    keys: mx.array
+    values: mx.array
+    new_keys: mx.array
+    new_values: mx.array
+    visible: mx.array
+    unrotate: Callable[[mx.array], mx.array] | None = None
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        """READ-1 attention of `queries` [B, Hq, N, Dk], all of them seeing every row the
+        read sees (READ-2), in the keys' format."""
+        B, Hq, N, Dk = queries.shape
+        _, Hk, T, _ = self.keys.shape
+        dtype = self.keys.dtype
+        check_queries(queries, (B, Hk, T, Dk), dtype)
+        # The query heads of a KV head as the rows of one product (MLX's own attention
+        # multiplies each of them on its own, at a multiple of the cost on the CPU).
+        grouped = (queries.astype(dtype) * mx.array(scale, dtype)).reshape(B, Hk, -1, Dk)
+        scores = grouped @ mx.swapaxes(self.keys, -1, -2)
+        scores = mx.where(self.visible, scores, mx.array(-math.inf, dtype))
+        new_scores = grouped @ mx.swapaxes(self.new_keys, -1, -2)
+        weights = mx.softmax(
+            mx.concatenate([scores, new_scores], axis=-1).astype(mx.float32), axis=-1
+        )
+        values = self.values.astype(mx.float32)
+        out = weights[..., :T] @ values + weights[..., T:] * self.new_values.astype(mx.float32)
+        if self.unrotate is not None:
+            out = self.unrotate(out)
+        return out.reshape(B, Hq, N, -1).astype(dtype)
+
+
+@dataclass(frozen=True)
+class WriteSlot:
+    """The new position of a compiled step as the decode-attention kernels take it
+    (COMPILE-4): the buffer row it replaces (int32 scalar) and its stored fields as sides
+    of one row. The kernels read that row from these fields, the others from the buffers
+    where they lie: no copy."""
+
+    position: mx.array
+    keys: StoredSide
+    values: StoredSide
 
 
 @dataclass(frozen=True)
@@ -51,6 +107,8 @@ class StoredRead:
     #: The compiled step's live row count as data (int32 [1], COMPILE-4): the kernels read
     #: the first rows[0] rows of whole buffers. None: every row of the key codes.
     rows: mx.array | None = None
+    #: The compiled step's new position, held apart from the buffers (COMPILE-4).
+    slot: WriteSlot | None = None
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows."""
@@ -63,6 +121,7 @@ class StoredRead:
             return self.decoded().attend(queries, scale)
         codes = self.keys.codes
         check_queries(queries, (B, codes.shape[1], codes.shape[2], self.keys.dim), self.read_dtype)
+        slot = self.slot
         # The kernels widen the queries themselves; the output is in the read's format.
         return attention_kernels.decode_attention(
             queries,
@@ -73,6 +132,7 @@ class StoredRead:
             self.signs,
             self.read_dtype,
             self.rows,
+            slot=None if slot is None else (slot.position.reshape(1), slot.keys, slot.values),
         )
 
 
@@ -113,19 +173,50 @@ class ReadMethods(reads.ReadMethods):
 
         return StoredRead(keys, values, read_dtype, codebook, signs, decoded)
 
-    def _decode_read(self, fields: Fields, visible: mx.array, active_length: mx.array) -> Read:
-        """COMPILE-4 with READ-7: on CUDA the kernels read the first `active_length` rows of
-        the joined buffers where they lie; elsewhere (and for several query positions) the
-        portable read of the decoded buffers under `visible`."""
+    def _slot_read(
+        self, fields: Fields, new: Fields, position: mx.array, active_length: mx.array
+    ) -> Read:
+        """COMPILE-4 on MLX: the write-slot read of MLX ops (SlotRead). On CUDA a one-query
+        read runs READ-7's kernels over the first `active_length` rows of the buffers, given
+        the new position apart (WriteSlot); other reads there are the write-slot read."""
+        visible = self._slot_visible(fields, position, active_length)
+        portable = self._slot_decoded(fields, new, visible)
+        if not fused_kernels_enabled():
+            return portable
         assert self.layout is not None
         keys, values, codebook, signs = self._stored_sides(fields)
+        new_keys, new_values, _, _ = self._stored_sides(new)
+        slot = WriteSlot(position, new_keys, new_values)
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
-
-        def decoded() -> Read:
-            return super(ReadMethods, self)._decode_read(fields, visible, active_length)
-
         rows = active_length.reshape(1)
-        return StoredRead(keys, values, read_dtype, codebook, signs, decoded, rows)
+        return StoredRead(keys, values, read_dtype, codebook, signs, lambda: portable, rows, slot)
+
+    def _window_rows(self, plan: DecodePlan, length: int) -> int:
+        """COMPILE-3 on MLX: on CUDA the kernels read the live rows of whole buffers, the
+        count as data, and a step costs less than tracing its graph again: whole buffers.
+        Elsewhere the read's cost follows its rows: the reference's window."""
+        return length if fused_kernels_enabled() else super()._window_rows(plan, length)
+
+    def _slot_decoded(self, fields: Fields, new: Fields, visible: mx.array) -> Read:
+        """The write-slot read of stored rows `fields` and the new position's fields `new`,
+        both decoded as READ-2's read decodes them, hidden rows' values zero."""
+        stored = self._decode(self._values_hidden(fields, visible))
+        return SlotRead(*stored, *self._decode(new), visible)
+
+    #: The fields whose zero makes a row's values decode to zero: here the values
+    #: themselves; scales (and biases) where codes are multiplied by them.
+    value_magnitudes: tuple[int, ...] = (1,)
+
+    def _values_hidden(self, fields: Fields, visible: mx.array) -> Fields:
+        """`fields` with the `value_magnitudes` fields of the rows `visible` (bool [T]) does
+        not mark zeroed: one pass over the smallest fields that zero the decoded values."""
+        hidden = ~visible[:, None]
+        return tuple(
+            mx.where(hidden, mx.zeros((), field.dtype), field)
+            if i in self.value_magnitudes
+            else field
+            for i, field in enumerate(fields)
+        )
 
     def _read_of(self, live: Fields) -> Read:
         """READ-2's read of live fields, decoded."""

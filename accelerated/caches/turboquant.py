@@ -11,7 +11,7 @@ from kvspec.accelerated import turboquant
 from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredSide
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
-from kvspec.accelerated.caches.reads import running
+from kvspec.accelerated.caches.reads import SlotRead, running
 from kvspec.reference.caches import turboquant as reference
 from kvspec.reference.caches.protocol import Read
 from kvspec.reference.caches.storage import Fields
@@ -32,6 +32,8 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
 
     turboquant: ModuleType = turboquant
     deferred_read: type[reference.DeferredRead] = DeferredRead
+    #: v_scales: a zero scale decodes a value group to zero (TQ-8).
+    value_magnitudes = (4,)
 
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
         """DEFER-1 .. DEFER-3 with the running rank folded inside the encode (TQ-10)."""
@@ -42,9 +44,15 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
         """READ-2's read of live fields with this cache's kernels (TQC-4)."""
         if self.kernels == "dense":
             return super()._read_of(live)
-        t, head_dim = self._tensor_and_head_dim(live)
-        keys, rotated = turboquant.decode(t, t.k_idx.shape[2], head_dim, defer_v=True)
-        return self.deferred_read(keys, rotated, None)
+        return self.deferred_read(*self._decode_rotated(live), None)
+
+    def _slot_decoded(self, fields: Fields, new: Fields, visible: mx.array) -> Read:
+        """COMPILE-4 with this cache's kernels (TQC-4): the deferred ones attend over the
+        values left rotated and unrotate the output."""
+        if self.kernels == "dense":
+            return super()._slot_decoded(fields, new, visible)
+        stored = self._decode_rotated(self._values_hidden(fields, visible))
+        return SlotRead(*stored, *self._decode_rotated(new), visible, turboquant.unrotate)
 
     def _stored_sides(
         self, fields: Fields

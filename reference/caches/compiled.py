@@ -6,8 +6,11 @@ A step is four calls per cache: `prepare_decode_step()` (the growth half of a
 one-position append), `decode_slot(plan)` (what the graph looks like and a stand-in cache
 for tracing it), `decode_inputs(plan)` (the arrays the graph reads) and
 `commit_decode_step(slot, outputs)` (the write half). `compile_decode` drives them. The
-graph sees whole buffers, with the write position and the live length as data, so its
-shapes change only when the buffers grow or the storage switches (COMPILE-3).
+graph sees the buffers' first rows, a window of WINDOW_STEP-row steps over the live rows,
+with the write position and the live length as data, so its shapes change only when the
+window moves a step, the buffers grow or the storage switches (COMPILE-3). It reads the
+stored rows where they lie and the new position held apart (the write slot, COMPILE-4):
+no buffer is copied inside the graph.
 
 In NumPy nothing is compiled: `compile_decode` runs the traced step as written, which is
 the behaviour a compiled step must reproduce. The MLX twin compiles it with `mx.compile`.
@@ -24,6 +27,9 @@ import numpy as np
 
 from kvspec.reference.caches.protocol import Read, require_same_layout
 from kvspec.reference.deferred import failure_message
+
+#: The graph reads the buffers' leading rows in steps of this many (COMPILE-3).
+WINDOW_STEP = 32
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,9 @@ class DecodeSlot:
 
 class DecodeTrace:
     """A cache inside the step's graph (COMPILE-4): `append_decode(k, v)` encodes the new
-    position, joins it to the buffers at the write position and returns the read of the
-    live rows; `outputs` are then the new position's fields (and the failure rank of an
-    encoding storage, DEFER-2). It holds no array of the real cache's."""
+    position and returns the read of the live stored rows, but the write row, and of the
+    new position held apart; `outputs` are then the new position's fields (and the failure
+    rank of an encoding storage, DEFER-2). It holds no array of the real cache's."""
 
     def __init__(self, storage: Any, fields: tuple[Any, ...], inputs: Sequence[Any]) -> None:
         self._storage = storage
@@ -76,8 +82,8 @@ class DecodeTrace:
         self.outputs: tuple[Any, ...] = ()
 
     def append_decode(self, k: Any, v: Any) -> Read:
-        """COMPILE-4: one position, CACHE-2's layout checks, the deferred encode (DEFER-1),
-        the join and the read of rows 0 .. active_length - 1."""
+        """COMPILE-4: one position, CACHE-2's layout checks, the deferred encode (DEFER-1)
+        and the write-slot read."""
         storage = self._storage
         if self.outputs:
             raise ValueError("a compiled decode step appends one position per cache")
@@ -88,13 +94,7 @@ class DecodeTrace:
         storage._failure = failure[0] if failure else 0
         new, rank = storage._encode_deferred(k, v)
         self.outputs = (*new, rank) if storage.deferred_checks else tuple(new)
-        xp = storage.xp
-        rows = xp.arange(self._fields[0].shape[2])
-        written = (rows == position)[:, None]
-        joined = tuple(
-            xp.where(written, part, field) for field, part in zip(self._fields, new, strict=True)
-        )
-        return storage._decode_read(joined, rows < active_length, active_length)
+        return storage._slot_read(self._fields, tuple(new), position, active_length)
 
 
 class DecodeStepMethods:
@@ -129,10 +129,11 @@ class DecodeStepMethods:
         """COMPILE-3: the graph's key, and a trace over a copy of this storage's parameters
         made when it traces (no arrays: a compiled graph would keep them as constants)."""
         fields = self._room_of(plan).fields
+        rows = self._window_rows(plan, fields[0].shape[2])
         key = (
             type(self).__qualname__,
             self._graph_parameters(),
-            tuple((field.shape, field.dtype) for field in fields),
+            tuple(((*field.shape[:2], rows, *field.shape[3:]), field.dtype) for field in fields),
         )
         count = len(fields)
         encoding = bool(self.deferred_checks)
@@ -147,9 +148,9 @@ class DecodeStepMethods:
         return DecodeSlot(key, plan, count + 2 + encoding, count + encoding, trace)
 
     def decode_inputs(self, plan: DecodePlan) -> tuple[Any, ...]:
-        """COMPILE-3: the whole buffers, the write position and the active length as int32
-        scalars, and an encoding storage's running failure rank (DEFER-3)."""
-        fields = self._room_of(plan).fields
+        """COMPILE-3: the buffers' read windows, the write position and the active length as
+        int32 scalars, and an encoding storage's running failure rank (DEFER-3)."""
+        fields = self._windows(plan)
         position = self.xp.array(plan.write_position, dtype=self.xp.int32)
         length = self.xp.array(plan.active_length, dtype=self.xp.int32)
         rank = (self._rank_input(),) if self.deferred_checks else ()
@@ -178,6 +179,21 @@ class DecodeStepMethods:
         self._write_decoded(new, slot.plan.write_position)
         return self.stored_fields()
 
+    def _windows(self, plan: DecodePlan) -> tuple[Any, ...]:
+        """COMPILE-3: the first `_window_rows` rows of every buffer of the room `plan` was
+        made with."""
+        fields = self._room_of(plan).fields
+        rows = self._window_rows(plan, fields[0].shape[2])
+        if rows == fields[0].shape[2]:
+            return tuple(fields)
+        return tuple(field[:, :, :rows] for field in fields)
+
+    def _window_rows(self, plan: DecodePlan, length: int) -> int:
+        """COMPILE-3: how many leading rows of buffers of `length` rows the graph reads: the
+        active length rounded up to a multiple of WINDOW_STEP, at most the buffers'."""
+        steps = -(-plan.active_length // WINDOW_STEP)
+        return min(length, steps * WINDOW_STEP)
+
     def _adopt_room(self, room: DecodeRoom) -> None:
         """Take the buffers `room` made."""
         self._fields = room.fields
@@ -194,16 +210,38 @@ class DecodeStepMethods:
         """The running failure rank as the graph reads it (DEFER-3)."""
         return self._failure
 
-    def _decode_read(self, fields: tuple[Any, ...], visible: Any, active_length: Any) -> Read:
-        """COMPILE-4: the read of the joined buffers under `visible` (bool [T], rows below
-        `active_length`), hidden rows zeroed so that what a trim left behind (a NaN group
-        included) reaches no output."""
+    def _slot_read(
+        self, fields: tuple[Any, ...], new: tuple[Any, ...], position: Any, active_length: Any
+    ) -> Read:
+        """COMPILE-4 step 2: the stored rows decoded where they lie, those the read sees
+        (`_slot_visible`) followed by the new position decoded, under the mask that shows
+        them; the hidden rows zeroed first, so that what they hold (a stale row, a NaN
+        group a trim left behind) reaches no output."""
+        visible = self._slot_visible(fields, position, active_length)
         keys, values = self._decode(fields)
-        keys, values = self._visible_only(keys, visible), self._visible_only(values, visible)
-        return self.dense_read(keys, values, visible)
+        new_keys, new_values = self._decode(new)
+        return self.dense_read(*self._slot_rows(keys, values, new_keys, new_values, visible))
 
-    def _visible_only(self, rows: Any, visible: Any) -> Any:
-        return self.xp.where(visible[:, None], rows, self.xp.zeros_like(rows))
+    def _slot_visible(self, fields: tuple[Any, ...], position: Any, active_length: Any) -> Any:
+        """COMPILE-4: bool [T] over the window's rows: below `active_length` and not the
+        write row, whose old content the new position replaces."""
+        rows = self.xp.arange(fields[0].shape[2])
+        return (rows < active_length) & (rows != position)
+
+    def _slot_rows(
+        self, keys: Any, values: Any, new_keys: Any, new_values: Any, visible: Any
+    ) -> tuple[Any, Any, Any]:
+        """Keys and values of the stored rows, hidden rows zeroed, then the new position's;
+        and the mask [T + 1] that shows the visible rows and the new one."""
+        hidden = ~visible[:, None]
+        keys = self.xp.where(hidden, self.xp.zeros_like(keys), keys)
+        values = self.xp.where(hidden, self.xp.zeros_like(values), values)
+        mask = self.xp.concatenate([visible, self.xp.ones((1,), dtype=self.xp.bool_)])
+        return (
+            self.xp.concatenate([keys, new_keys], axis=2),
+            self.xp.concatenate([values, new_values], axis=2),
+            mask,
+        )
 
 
 #: How many compiled graphs a `CompiledDecode` keeps (COMPILE-6), newest first.

@@ -137,14 +137,22 @@ class TurboQuantKVCache(GrowingStorage):
         """COMPILE-3: the kernels decide the read the step traces (TQC-4)."""
         return self.signature(), self.kernels
 
-    def _decode_read(self, fields: Fields, visible: np.ndarray, active_length: np.ndarray) -> Read:
-        """COMPILE-4 with this cache's kernels (TQC-4)."""
+    def _slot_read(
+        self, fields: Fields, new: Fields, position: np.ndarray, active_length: np.ndarray
+    ) -> Read:
+        """COMPILE-4 with this cache's kernels (TQC-4): the deferred ones read the stored and
+        the new values rotated."""
         if self.kernels == "dense":
-            return super()._decode_read(fields, visible, active_length)
+            return super()._slot_read(fields, new, position, active_length)
+        visible = self._slot_visible(fields, position, active_length)
+        keys, rotated = self._decode_rotated(fields)
+        new_keys, new_rotated = self._decode_rotated(new)
+        return self.deferred_read(*self._slot_rows(keys, rotated, new_keys, new_rotated, visible))
+
+    def _decode_rotated(self, fields: Fields) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of stored positions, the values left rotated (TQ-8)."""
         t, head_dim = self._tensor_and_head_dim(fields)
-        keys, rotated = self.turboquant.decode(t, t.k_idx.shape[2], head_dim, defer_v=True)
-        keys, rotated = self._visible_only(keys, visible), self._visible_only(rotated, visible)
-        return self.deferred_read(keys, rotated, visible)
+        return self.turboquant.decode(t, t.k_idx.shape[2], head_dim, defer_v=True)
 
     @classmethod
     def from_kv_cache(
