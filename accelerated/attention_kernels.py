@@ -614,17 +614,15 @@ _MMA_BODY = r"""
         const float s1 = tv + 1 < end ? s[0][1] + s[1][1] : NEG_INF;
 
         // Online softmax of head `row` over the chunk (its 8 scores lie in 4 lanes). A NaN
-        // score (DEFER-1) passes fmaxf by and makes its weight NaN.
+        // score (DEFER-1) passes fmaxf by and makes its weight NaN, even where no finite
+        // score has been seen yet (a split of one row); only positions past the end weigh 0.
         float top = fmaxf(s0, s1);
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
         const float m_new = fmaxf(m, top);
-        float alpha = 1.0f, p0 = 0.0f, p1 = 0.0f;
-        if (m_new != NEG_INF) {
-            alpha = exp2f(m - m_new);
-            p0 = exp2f(s0 - m_new);
-            p1 = exp2f(s1 - m_new);
-        }
+        const float alpha = m == NEG_INF ? 1.0f : exp2f(m - m_new);
+        const float p0 = s0 == NEG_INF ? 0.0f : exp2f(s0 - m_new);
+        const float p1 = s1 == NEG_INF ? 0.0f : exp2f(s1 - m_new);
         l = l * alpha + (p0 + p1);
         m = m_new;
         // acc holds heads 2 col and 2 col + 1, whose factors lanes 8 col and 8 col + 4 hold.
