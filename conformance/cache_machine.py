@@ -41,7 +41,6 @@ from kvspec.conformance.oracles import (
     ExpectedRead,
     Model,
     TurboQuantCodec,
-    causal,
     model_of,
     temporal,
     visible_matrix,
@@ -376,7 +375,9 @@ class CacheMachine(RuleBasedStateMachine):
         method = "append_encoder_window" if encoder else "append_bidirectional"
         expected, actual = self._both(method, k, v, bidirectional)
         model_read = self.model.append(k, v)
-        visible = bidirectional if encoder else model_read.visible | bidirectional
+        # MASK-1's window on positions (a ring's max_size), not a ring's own (MASK-3).
+        causal = self.model.visible(length, self.model.max_size)
+        visible = bidirectional if encoder else causal | bidirectional
         queries = self._queries(seed, length)
         assert_read_matches_model(replace(model_read, visible=visible), expected, queries)
         assert_read_within_bound(expected, actual, queries, self.backend, self.read_log)
@@ -462,20 +463,12 @@ class CacheMachine(RuleBasedStateMachine):
         """MASK-2, MASK-3: `make_mask(L, window)` taken before an append, as the model
         states it, and the read of the fetch under it."""
         length = data.draw(st.integers(1, 4), label="length")
-        if length == 1 and self.model.keep > 0:
-            # MASK-3's one-query window ignores keep (test_caches_rotating.py,
-            # test_one_query_window_with_keep): only a window that hides nothing here.
-            window = max(window, self.model.max_size or 0)
         k, v = self._kv(seed, length)
         masks = self.ref.make_mask(length, window), self.got.make_mask(length, window)
         (ek, ev), (ak, av) = self._both("update_and_fetch", k, v)
         model_read = self.model.append(k, v)
-        held = len(self.model.held)
-        if self.model.max_size is None or length > 1:
-            visible = causal(length, held - length, window)
-        else:
-            # One query of a ring sees the last `window` entries (MASK-3).
-            visible = (np.arange(held) >= held - window)[None, :]
+        visible = self.model.visible(length, window)
+        held = visible.shape[1]
         for cache, mask in zip((self.ref, self.got), masks, strict=True):
             matrix = visible_matrix(mask, length, held, self.backend.to_numpy)
             if self.model.max_size is not None:
