@@ -617,7 +617,8 @@ def run_machine(
 ) -> None:
     """Run `machine` over `kinds` against `backend`, scaled to the loaded profile unless
     `max_examples` is given; each read's bounds go to `read_log` if given. `derandomize`
-    draws the same examples every run (for a measurement that must be reproducible)."""
+    draws the same examples every run (for a measurement that must be reproducible), so it
+    also leaves out the example database, whose saved examples would be replayed first."""
     profile = settings.default
     bound_machine = type(
         machine.__name__,
@@ -630,6 +631,7 @@ def run_machine(
             max_examples=max_examples or max(10, profile.max_examples // 2),
             stateful_step_count=25,
             derandomize=derandomize,
+            database=None if derandomize else profile.database,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
             print_blob=True,
