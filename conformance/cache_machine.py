@@ -107,9 +107,9 @@ def assert_same_state(expected: Any, actual: Any, backend: Backend) -> None:
         assert_same_bits(backend.to_numpy(a), e, f"{want.signature} slot {slot}")
 
 
-#: Per read: the READ-1 bound and the rounded-attention interval's width, each over the
-#: largest output magnitude (the interval's NaN where the backend declares no rounding).
-ReadLog = list[tuple[float, float]]
+#: Per read: the READ-1 bound, the rounded-attention interval's width (NaN where the
+#: backend declares no rounding) and the largest output magnitude, each the read's largest.
+ReadLog = list[tuple[float, float, float]]
 
 
 def assert_read_within_bound(
@@ -168,8 +168,7 @@ def assert_read_within_bound(
         )
         width = float((high - low).max())
     if log is not None:
-        largest = max(float(np.abs(want).max()), np.finfo(np.float64).tiny)
-        log.append((float(bound.max()) / largest, width / largest))
+        log.append((float(bound.max()), width, float(np.abs(want).max())))
 
 
 def fetch_is_exact(signature: str, backend: Backend) -> bool:
