@@ -10,8 +10,9 @@ a plain list in temporal order, and states each rule as the spec words it:
 - a ring holds its first `keep` positions and its most recent ones: an append to a ring
   holding max_size or more first keeps the first `keep` and the last max_size - 1 - keep
   (RING-2 and RING-3 agree on this), so a one-position append leaves max_size positions
-  and an L-position one max_size - 1 + L; a query sees the entries of that list within
-  max_size of its own (MASK-3);
+  and an L-position one max_size - 1 + L; beside the list, the position each entry holds;
+  a query at position p sees a held position j <= p that is kept (j < keep) or one of
+  the last max_size - keep, or with a window w, one of the last w (MASK-3);
 - quantized kinds hold that list passed through the codec, one position at a time
   (QKV-1, QRING-1, TQC-1); the codecs themselves are held by the golden vectors;
 - a bf16-first cache is a plain model until an append leaves it due, then the converted
@@ -173,6 +174,8 @@ class CacheModel:
     offset: int = 0
     minimum_reusable_offset: int = 0
     held: list[Fields] = field(default_factory=list)
+    #: The position each entry of `held` holds (on a ring, kept ones and recent ones).
+    positions: list[int] = field(default_factory=list)
     #: Whether anything was appended (trimming to 0 keeps empty fields, CACHE-8).
     stored: bool = False
     #: Rows of growable fields (CACHE-3): whole steps of 256, cut to the offset first when
@@ -198,6 +201,7 @@ class CacheModel:
         self._memo.clear()
         self.offset -= trimmed
         del self.held[len(self.held) - trimmed :]
+        del self.positions[len(self.positions) - trimmed :]
         return trimmed
 
     def append(self, k: np.ndarray, v: np.ndarray) -> ExpectedRead:
@@ -210,12 +214,28 @@ class CacheModel:
         if self.max_size is not None and len(self.held) >= self.max_size:
             recent = len(self.held) - (self.max_size - 1 - self.keep)
             self.held = self.held[: self.keep] + self.held[recent:]
-        before = len(self.held)
+            self.positions = self.positions[: self.keep] + self.positions[recent:]
         for i in range(k.shape[2]):
             self.held.append(self.codec.encode(k[:, :, i : i + 1], v[:, :, i : i + 1]))
+            self.positions.append(self.offset + i)
         self.offset += k.shape[2]
         self.stored = True
-        return self.read(causal(k.shape[2], before, self.max_size))
+        return self.read(self.visible(L, None))
+
+    def visible(self, n: int, window: int | None) -> np.ndarray:
+        """Which held entries each of the last `n` appended positions sees, bool
+        [n, len(held)] (MASK-2, MASK-3): entries up to its own position, and within a
+        window: `window` if given, else on a ring the kept positions and the last
+        max_size - keep."""
+        query = np.array(self.positions[len(self.positions) - n :])[:, None]
+        key = np.array(self.positions)[None, :]
+        if window is not None:
+            in_window = query - key < window
+        elif self.max_size is not None:
+            in_window = (key < self.keep) | (query - key < self.max_size - self.keep)
+        else:
+            in_window = np.ones_like(key, dtype=bool)
+        return (key <= query) & in_window
 
     def fields(self) -> Fields:
         """The held positions' stored fields, [B, H, len(held), *] each."""
@@ -259,6 +279,7 @@ class CacheModel:
             self.offset,
             self.minimum_reusable_offset,
             held,
+            list(self.positions),
             self.stored,
             self.offset,
         )
@@ -318,6 +339,9 @@ class Bf16FirstModel:
             self.model.minimum_reusable_offset = offset if self.start > 0 else 0
             self.converted = True
         return read
+
+    def visible(self, n: int, window: int | None) -> np.ndarray:
+        return self.model.visible(n, window)
 
     def fields(self) -> Fields:
         return self.model.fields()

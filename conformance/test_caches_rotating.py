@@ -16,6 +16,7 @@ from kvspec.conformance.cache_machine import (
     run_machine,
 )
 from kvspec.conformance.compare import assert_same_bits
+from kvspec.conformance.oracles import visible_matrix
 from kvspec.reference import affine
 from kvspec.reference import caches as reference
 from kvspec.reference.dtypes import BFLOAT16
@@ -89,23 +90,64 @@ def test_quantized_ring_equals_quantized_bf16_ring(ops, seed, max_size, keep, bi
             assert_same_bits(field[:, :, :live], expected[slot], f"step {step} slot {slot}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MASK-3 (mlx-lm's rule) rolls the one-query window as if the write landed at "
-    "slot 0 and through the keep slots; with keep > 0 it shows the kept position instead "
-    "of the one just written",
+def _positions_as_keys(positions: range) -> np.ndarray:
+    """Keys [1, 1, L, 64] whose every element is the position they are appended at, so a
+    fetch names the position each row holds."""
+    column = np.array(positions, np.float32)[None, None, :, None]
+    return np.broadcast_to(column, (1, 1, len(positions), 64)).copy()
+
+
+def _visible_positions(backend, cache, lengths: list[int], window: int | None) -> np.ndarray:
+    """Append spans of `lengths` positions; for the last, which positions each query sees
+    under `make_mask(L, window)` taken before it: bool [L, T] over the fetch's rows, and
+    the rows' positions."""
+    offset = 0
+    for length in lengths:
+        mask = cache.make_mask(length, window)
+        k = _positions_as_keys(range(offset, offset + length))
+        keys, _ = cache.update_and_fetch(backend.from_numpy(k), backend.from_numpy(k))
+        offset += length
+    rows = backend.to_numpy(keys)[0, 0, :, 0].astype(int)
+    return visible_matrix(mask, length, rows.size, backend.to_numpy), rows
+
+
+@pytest.mark.parametrize(
+    ("max_size", "lengths", "window", "rows", "expected"),
+    [
+        # mlx-lm shows the kept position 0 instead of 3.
+        (2, [3, 1], 1, [0, 3], [False, True]),
+        # Position 4 lands in slot 1 (RING-2 wraps to keep); mlx-lm rolls as if it landed
+        # in slot 0 and shows the kept position 0 and position 3.
+        (4, [4, 1], 2, [0, 4, 2, 3], [False, True, False, True]),
+    ],
 )
-def test_one_query_window_with_keep(backend) -> None:
-    """MASK-3: a one-query read under a window of 1 sees the position it appends."""
-    caches = backend.module("caches")
-    ring = caches.RotatingKVCache(2, keep=1)
-    for step, length in enumerate([3, 1]):
-        k, v = random_kv(step, (1, 1, length, 32), 32, BFLOAT16)
-        mask = ring.make_mask(length, 1)
-        keys, _ = ring.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
-    visible = backend.to_numpy(mask) if mask is not None else np.ones(2, bool)
-    newest = backend.to_numpy(keys)[:, :, visible]
-    assert_same_bits(newest, k, "the key a one-query window of 1 sees")
+def test_one_query_window_with_keep(backend, max_size, lengths, window, rows, expected) -> None:
+    """MASK-3: a one-query read on a ring keeping 1 sees the last `window` positions,
+    the one it appends among them, and the kept position only if it is one of them."""
+    ring = backend.module("caches").RotatingKVCache(max_size, keep=1)
+    visible, held = _visible_positions(backend, ring, lengths, window)
+    assert held.tolist() == rows
+    assert visible.tolist() == [expected]
+
+
+@pytest.mark.parametrize(
+    ("window", "expected"),
+    [
+        # The ring's own window: the kept position 0 and the last max_size - keep = 3.
+        (None, [[1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1]]),
+        # A window of 2: the last two positions; the kept one only while among them.
+        (2, [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]),
+    ],
+)
+def test_span_window_with_keep(backend, window, expected) -> None:
+    """MASK-3 by hand for several queries on a ring of 4 keeping 1: positions 3, 4, 5
+    appended after 0, 1, 2. Without a window each query sees what a decode at its
+    position would hold (mlx-lm's causal window of 4 over the rows hides the kept
+    position 0 from queries 4 and 5 and shows position 1 to query 4 instead)."""
+    ring = backend.module("caches").RotatingKVCache(4, keep=1)
+    visible, rows = _visible_positions(backend, ring, [3, 3], window)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert visible.astype(int).tolist() == expected
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,14 @@
-"""Masks, case by case (MASK-1 .. MASK-3): small matrices written out by hand, and every
+"""Masks, case by case (MASK-1 .. MASK-3): small matrices written out by hand, every
 one-query window of small rings against the list model, where random machines reach the
-wrapped cases too rarely to rely on."""
+wrapped cases too rarely to rely on, and ring masks with keep against the positions
+written."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvspec.conformance.cache_machine import random_kv
 from kvspec.conformance.oracles import model_of, temporal, visible_matrix
@@ -75,3 +78,52 @@ def test_ring_one_query_windows(backend, max_size, lengths) -> None:
             in_order = temporal(by_slot, ring.ring_index, 0)[0, 0, :, 0]
             expected = np.arange(held) >= held - window
             np.testing.assert_array_equal(in_order, expected, err_msg=f"step {step} w {window}")
+
+
+def _fetched_positions(backend, ring, start: int, length: int) -> np.ndarray:
+    """Append positions start .. start + length - 1, each key and value holding its own
+    position, and return the position of every row of the fetch, in ring order."""
+    column = np.arange(start, start + length, dtype=np.float32)[None, None, :, None]
+    k = np.broadcast_to(column, (1, 1, length, 32)).copy()
+    keys, _ = ring.update_and_fetch(backend.from_numpy(k), backend.from_numpy(k))
+    return backend.to_numpy(keys)[0, 0, :, 0].astype(int)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=10),
+    max_size=st.integers(1, 9),
+    keep=st.integers(0, 8),
+)
+def test_ring_masks_against_positions_written(backend, lengths, max_size, keep) -> None:
+    """MASK-3 on rings with any keep, before every append and for every window up to one
+    past max_size: keys carry their positions, so the fetch names the position of every
+    mask column. The ring holds the first `keep` positions written and the most recent
+    ones (a plain list); query p sees the held positions j <= p that are within the
+    window of it, or without a window, exactly those a ring that received every position
+    by one-position appends holds right after p (RING-2)."""
+    keep = min(keep, max_size - 1)
+    caches = backend.module("caches")
+    ring, decoded = caches.RotatingKVCache(max_size, keep), caches.RotatingKVCache(max_size, keep)
+    windows = [None, *range(1, max_size + 2)]
+    written: list[int] = []
+    held_after: list[set[int]] = []
+    for length in lengths:
+        offset = len(held_after)
+        for position in range(offset, offset + length):
+            held_after.append(set(_fetched_positions(backend, decoded, position, 1).tolist()))
+        masks = [ring.make_mask(length, window) for window in windows]
+        rows = _fetched_positions(backend, ring, offset, length).tolist()
+        if len(written) >= max_size:
+            written = written[:keep] + written[len(written) - (max_size - 1 - keep) :]
+        written += range(offset, offset + length)
+        assert sorted(rows) == written
+        for window, mask in zip(windows, masks, strict=True):
+            expected = np.zeros((length, len(rows)), bool)
+            for i, query in enumerate(range(offset, offset + length)):
+                for column, key in enumerate(rows):
+                    if window is None:
+                        expected[i, column] = key in held_after[query]
+                    else:
+                        expected[i, column] = query - window < key <= query
+            got = _matrix(backend, mask, length, len(rows))
+            np.testing.assert_array_equal(got, expected, err_msg=f"rows {rows} window {window}")

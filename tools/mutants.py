@@ -60,6 +60,7 @@ CONVERSIONS = "conformance/test_conversions.py"
 DECODE = "conformance/test_decode_step.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
+RING_MASKS = "test_ring_masks_against_positions_written"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -214,10 +215,27 @@ CATALOGUE = (
     Mutant(
         "ring-mask-roll",
         "reference/caches/masks.py",
-        "        return np.roll(visible, index + 1)\n",
-        "        return np.roll(visible, index)\n",
+        "    cycled = offset - (write_row - rows) % (max_size - keep)\n",
+        "    cycled = offset - (write_row - 1 - rows) % (max_size - keep)\n",
         "a ring's one-query window rolled one slot short (MASK-3)",
         (f"{RING}::test_rotating_kv_cache_machine", MASKS),
+    ),
+    Mutant(
+        "ring-mask-wraps-to-zero",
+        "reference/caches/masks.py",
+        "    write_row = ring_index if ring_index < max_size else keep\n",
+        "    write_row = ring_index if ring_index < max_size else 0\n",
+        "a ring's one-query window wraps to slot 0, not keep, as mlx-lm's does (MASK-3)",
+        (f"{RING}::test_one_query_window_with_keep", f"{MASKS}::{RING_MASKS}"),
+    ),
+    Mutant(
+        "ring-mask-slides-kept",
+        "reference/caches/masks.py",
+        "        in_window = (key_positions < keep) | (distance < max_size - keep)\n",
+        "        in_window = distance < max_size\n",
+        "a ring's own window ignores keep: kept positions slide out, as in mlx-lm's span "
+        "masks (MASK-3)",
+        (f"{RING}::test_span_window_with_keep", f"{MASKS}::{RING_MASKS}"),
     ),
     # -- the codecs' reference (held by MLX's and the golden vectors) --------------------
     Mutant(
@@ -317,8 +335,8 @@ CATALOGUE = (
     Mutant(
         "mlx-ring-mask-index",
         "accelerated/caches/masks.py",
-        "masks.rotating_make_mask(n, offset, max_size, ring_index, window_size)",
-        "masks.rotating_make_mask(n, offset, max_size, ring_index + 1, window_size)",
+        "masks.rotating_make_mask(n, offset, max_size, keep, ring_index, window_size)",
+        "masks.rotating_make_mask(n, offset, max_size, keep, ring_index + 1, window_size)",
         "the MLX ring mask takes the ring index one slot late (MASK-3)",
         (f"{RING}::test_rotating_kv_cache_machine", MASKS),
     ),

@@ -10,12 +10,13 @@ import mutants
 import pytest
 
 #: One fault of each kind whose catching tests run in seconds: rounding in a codec's
-#: reference and in the MLX encoder, a shared ring, a shared trim, a shared state's slot
-#: order, and the MLX attention's scale.
+#: reference and in the MLX encoder, a shared ring, a ring's mask with keep, a shared
+#: trim, a shared state's slot order, and the MLX attention's scale.
 FAST_SUBSET = (
     "affine-round-half-away",
     "mlx-turboquant-key-round-half-away",
     "ring-wraps-early",
+    "ring-mask-wraps-to-zero",
     "trim-past-offset",
     "affine-state-swaps-scales-biases",
     "mlx-attention-scale",

@@ -26,7 +26,7 @@ def make_mask(n: int, offset: int, window_size: int | None) -> Mask:
 
 
 def rotating_make_mask(
-    n: int, offset: int, max_size: int, ring_index: int, window_size: int | None
+    n: int, offset: int, max_size: int, keep: int, ring_index: int, window_size: int | None
 ) -> Mask:
     """MASK-3."""
-    return _on_mlx(masks.rotating_make_mask(n, offset, max_size, ring_index, window_size))
+    return _on_mlx(masks.rotating_make_mask(n, offset, max_size, keep, ring_index, window_size))

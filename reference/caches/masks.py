@@ -30,26 +30,45 @@ def make_mask(n: int, offset: int, window_size: int | None) -> Mask:
 
 
 def rotating_make_mask(
-    n: int, offset: int, max_size: int, ring_index: int, window_size: int | None
+    n: int, offset: int, max_size: int, keep: int, ring_index: int, window_size: int | None
 ) -> Mask:
-    """The mask of an append of `n` positions to a ring (MASK-3; mlx-lm's
-    `RotatingKVCache.make_mask`)."""
-    if n > 1:
-        window = window_size or max_size
-        held = min(max_size - 1, offset)
-        if held + n > window:
-            return create_causal_mask(n, held, window)
-        return "causal"
+    """The mask of an append of `n` positions to a ring holding `offset` (MASK-3): query
+    p = offset + i sees a held position j <= p that is one of the ring's own window (the
+    `keep` kept positions and the last max_size - keep) or, with a window, one of the
+    last `window_size` positions. Columns are the fetch's rows in ring order (RING-4);
+    None when the one query sees every row, "causal" when the lower-right rule is exact."""
+    key_positions = _held_positions(n, offset, max_size, keep, ring_index)[None, :]
+    query_positions = np.arange(offset, offset + n)[:, None]
+    distance = query_positions - key_positions
     if window_size is None:
-        return None
-    if offset >= window_size and max_size > window_size:
-        # The ring holds more than the window: hide the oldest slots, which sit just
-        # after the write index.
-        index = 0 if ring_index >= max_size else ring_index
-        size = offset + 1 if offset < max_size else max_size
-        visible = np.arange(size) >= size - window_size
-        return np.roll(visible, index + 1)
-    return None
+        in_window = (key_positions < keep) | (distance < max_size - keep)
+    else:
+        in_window = distance < window_size
+    visible = (distance >= 0) & in_window
+    if n == 1:
+        return None if visible.all() else visible[0]
+    t = visible.shape[1]
+    return "causal" if np.array_equal(visible, create_causal_mask(n, t - n)) else visible
+
+
+def _held_positions(n: int, offset: int, max_size: int, keep: int, ring_index: int) -> np.ndarray:
+    """The position each row of a ring's fetch holds after appending `n` positions to a
+    ring holding `offset`, rows in ring order (RING-2 .. RING-4)."""
+    if n > 1:
+        # RING-3: temporal order, the kept positions and the most recent old ones, so
+        # that max_size - 1 old positions remain, then the new ones.
+        old = min(offset, max_size - 1)
+        kept = min(keep, old)
+        recent = np.arange(offset - (old - kept), offset)
+        return np.concatenate([np.arange(kept), recent, np.arange(offset, offset + n)])
+    if offset < max_size:
+        return np.arange(offset + 1)
+    # RING-2: the write lands at the ring index, or at keep once the index reached
+    # max_size; rows from keep on cycle back in time from there.
+    write_row = ring_index if ring_index < max_size else keep
+    rows = np.arange(max_size)
+    cycled = offset - (write_row - rows) % (max_size - keep)
+    return np.where(rows < keep, rows, cycled)
 
 
 def mask_matrix(mask: Mask, n: int, t: int) -> np.ndarray:

@@ -28,7 +28,8 @@ class RingStorage(FieldStorage):
     Invariants (RING-1): no fields iff nothing was appended (or the cache was consumed);
     0 <= keep < max_size; ring_index <= T; min(offset, max_size) <= T; while
     offset < max_size the buffer is in temporal order and ring_index == offset; once
-    offset >= max_size, keep <= ring_index. Arrays are made through ReadMethods' `xp`.
+    offset >= max_size, keep <= ring_index; T > max_size only as RING-3 leaves it, with
+    ring_index == T. Arrays are made through ReadMethods' `xp`.
     """
 
     def __init__(self, max_size: int, keep: int = 0, checks: str = "eager") -> None:
@@ -186,7 +187,7 @@ class RingStorage(FieldStorage):
     def make_mask(self, n: int, window_size: int | None) -> Mask:
         """MASK-3."""
         return self.masks.rotating_make_mask(
-            n, self.offset, self.max_size, self._index, window_size
+            n, self.offset, self.max_size, self.keep, self._index, window_size
         )
 
     def state(self) -> CacheState[np.ndarray]:
@@ -233,6 +234,8 @@ class RingStorage(FieldStorage):
             require(self._index == self.offset, f"ring index {self._index} != offset {self.offset}")
         else:
             require(self.keep <= self._index, f"ring index {self._index} < keep {self.keep}")
+        if self.max_size < T:
+            require(self._index == T, f"ring index {self._index} != length {T} > max_size")
         for field in self._fields:
             require(field.shape[:3] == self._fields[0].shape[:3], "fields disagree on B, H, T")
 
