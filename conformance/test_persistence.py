@@ -278,11 +278,16 @@ def _extra_tensor(document: dict, tensors: dict) -> None:
 
 
 def _version(document: dict, tensors: dict) -> None:
-    document["version"] = 2
+    document["version"] = 3
+
+
+def _padding_in_version_1(document: dict, tensors: dict) -> None:
+    document["caches"][_layer(document, "KVCache")]["left_padding"] = [0]
 
 
 TAMPERS = {
-    "format version 2": (_version, "format version 2"),
+    "format version 3": (_version, "format version 3"),
+    "left padding in a version 1 file": (_padding_in_version_1, "needs format version 2"),
     "affine scales of the wrong width": (_affine_scales_cut, "contradict"),
     "affine words of the wrong dtype": (_affine_words_signed, "contradict"),
     "plain values of another dtype": (_plain_values_float16, "contradict"),

@@ -99,7 +99,6 @@ def test_refusals(backend) -> None:
     cases = {
         "one kind": _filled(family, lambda m: m.KVCache(), 1, [3]),
         "one layout": _filled(family, lambda m: m.QuantizedKVCache(32, 8), 1, [3]),
-        "one offset": _filled(family, lambda m: m.QuantizedKVCache(32, 4), 1, [2]),
     }
     for match, other in cases.items():
         with pytest.raises(ValueError, match=match):
@@ -108,6 +107,9 @@ def test_refusals(backend) -> None:
         with pytest.raises(ValueError, match=match):
             rows.extend(affine, other)
         assert_same_state(_Snapshot(before, backend), affine, backend)
+    kept = _filled(family, lambda m: m.RotatingKVCache(4, keep=1), 1, [3])
+    with pytest.raises(ValueError, match="keep 0"):
+        rows.merge([kept, _filled(family, lambda m: m.RotatingKVCache(4, keep=1), 1, [2])])
     head_dims = _filled(family, lambda m: m.QuantizedKVCache(32, 4), 1, [3], head_dim=128)
     with pytest.raises(ValueError, match="one layout"):
         rows.merge([affine, head_dims])

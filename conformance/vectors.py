@@ -25,7 +25,7 @@ from kvspec.reference import affine, turboquant
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
 SCHEMA = "kvspec_vectors_v1"
-SPEC_VERSION = "0.3"
+SPEC_VERSION = "0.4"
 VECTORS_DIR = Path(__file__).resolve().parents[1] / "docs" / "vectors"
 
 AFFINE_NOTES = {

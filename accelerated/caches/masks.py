@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from kvspec.accelerated.caches.protocol import Mask
 from kvspec.reference.caches import masks
@@ -30,3 +31,9 @@ def rotating_make_mask(
 ) -> Mask:
     """MASK-3."""
     return _on_mlx(masks.rotating_make_mask(n, offset, max_size, ring_index, window_size))
+
+
+def padded_mask(mask: Mask, n: int, positions: np.ndarray, left_padding: np.ndarray) -> mx.array:
+    """ROWS-6: bool [B, 1, n, T], the reference's mask of rows of their own lengths."""
+    shared = mask if mask is None or isinstance(mask, str) else np.array(mask)
+    return mx.array(masks.padded_mask(shared, n, positions, left_padding))

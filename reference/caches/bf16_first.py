@@ -104,6 +104,10 @@ class Bf16FirstCache(Cache[A]):
         return self.storage.ring_index
 
     @property
+    def left_padding(self) -> tuple[int, ...]:
+        return self.storage.left_padding
+
+    @property
     def sliding_window(self) -> int | None:
         return self.storage.sliding_window
 

@@ -54,7 +54,8 @@ def rotating_make_mask(
 
 def mask_matrix(mask: Mask, n: int, t: int) -> np.ndarray:
     """Any mask as a bool array [n, t] (MASK-1): None is all visible, "causal" aligns the
-    last query with the last key, an array of shape [t] or [n, t] broadcasts."""
+    last query with the last key, an array of shape [t] or [n, t] broadcasts; a mask of
+    rows of their own lengths, [B, 1, n or 1, t], gives [B, 1, n, t] (ROWS-6)."""
     if mask is None:
         return np.ones((n, t), dtype=bool)
     if isinstance(mask, str):
@@ -64,6 +65,19 @@ def mask_matrix(mask: Mask, n: int, t: int) -> np.ndarray:
     visible = np.asarray(mask)
     if visible.dtype != np.bool_:
         raise ValueError(f"mask array must be bool, got {visible.dtype}")
+    if visible.ndim == 4 and visible.shape[1] == 1:
+        return np.broadcast_to(visible, (visible.shape[0], 1, n, t))
     if visible.ndim > 2:
-        raise ValueError(f"mask array must be [T] or [N, T], got shape {visible.shape}")
+        raise ValueError(
+            f"mask array must be [T], [N, T] or [B, 1, N, T], got shape {visible.shape}"
+        )
     return np.broadcast_to(visible, (n, t))
+
+
+def padded_mask(mask: Mask, n: int, positions: np.ndarray, left_padding: np.ndarray) -> np.ndarray:
+    """ROWS-6: bool [B, 1, n, T] for a batch whose row b starts at buffer position
+    left_padding[b]: `mask` over keys at buffer `positions` [T], and each row's keys before
+    its first position hidden from its queries."""
+    shared = mask_matrix(mask, n, positions.size)
+    own = positions[None, :] >= left_padding[:, None]
+    return shared[None, None] & own[:, None, None, :]

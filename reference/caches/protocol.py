@@ -64,6 +64,8 @@ class CacheState(Generic[A]):
     offset: positions appended and not trimmed.
     ring_index: the ring's write index (rotating caches), else None.
     minimum_reusable_offset: the shortest prefix a caller may reuse (B16F-4).
+    left_padding: per row, the leading buffer positions that are not the row's own (ROWS-5);
+        empty when every row starts at position 0.
     """
 
     signature: str
@@ -71,6 +73,7 @@ class CacheState(Generic[A]):
     offset: int
     ring_index: int | None = None
     minimum_reusable_offset: int = 0
+    left_padding: tuple[int, ...] = ()
 
 
 class Read(Protocol[A]):
@@ -96,6 +99,18 @@ class Cache(ABC, Generic[A]):
     @abstractmethod
     def ring_index(self) -> int | None:
         """The ring's write index (RING-1); None for caches that are not rings."""
+
+    @property
+    @abstractmethod
+    def left_padding(self) -> tuple[int, ...]:
+        """Per row, the leading buffer positions that are not the row's own (ROWS-5): B
+        zeros unless rows of different lengths were merged; empty while nothing is stored."""
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """Per row, the positions that row holds: offset - left_padding (ROWS-5; mlx-lm's
+        per-row `offset`)."""
+        return tuple(self.offset - padding for padding in self.left_padding)
 
     @property
     @abstractmethod

@@ -10,9 +10,12 @@ import numpy as np
 
 from kvspec.reference.caches.compiled import DecodeStepMethods
 from kvspec.reference.caches.protocol import (
+    CacheState,
     KvLayout,
+    Mask,
     check_checks,
     kv_layout,
+    require,
     require_same_layout,
 )
 from kvspec.reference.caches.reads import ReadMethods
@@ -39,6 +42,8 @@ class FieldStorage(DecodeStepMethods, ReadMethods):
         self._fields: Fields | None = None
         self._layout: KvLayout | None = None
         self._failure = 0
+        # Empty while every row starts at buffer position 0 (ROWS-5).
+        self._left_padding: tuple[int, ...] = ()
 
     @abstractmethod
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
@@ -73,6 +78,66 @@ class FieldStorage(DecodeStepMethods, ReadMethods):
     @property
     def layout(self) -> KvLayout | None:
         return self._layout
+
+    @property
+    def left_padding(self) -> tuple[int, ...]:
+        """ROWS-5: B zeros unless rows of their own lengths were merged; () while empty."""
+        if self._layout is None:
+            return ()
+        return self._left_padding or (0,) * self._layout.batch
+
+    def _trimmed_count(self, n: int) -> int:
+        """CACHE-5, ROWS-7: how many positions `trim(n)` drops from every row: n, at most
+        the positions of the shortest row."""
+        if n < 0:
+            raise ValueError(f"cannot trim a negative count {n}")
+        return min(n, self.offset - max(self._left_padding, default=0))
+
+    def _buffer_positions(self, count: int) -> np.ndarray:
+        """ROWS-6: the buffer position of each of the first `count` rows a read sees: the
+        stored rows it fetched, then a block that is not appended (READ-5)."""
+        return np.arange(count)
+
+    def _rows_mask(self, mask: Mask, n: int, t: int) -> Mask:
+        """ROWS-6: `mask` for `n` queries over `t` keys, and each row's padding hidden from
+        that row's queries; `mask` itself while no row is padded."""
+        if not self._left_padding:
+            return mask
+        return self.masks.padded_mask(
+            mask, n, self._buffer_positions(t), np.array(self._left_padding)
+        )
+
+    def _checked_padding(self, state: CacheState, arrays_rows: int | None) -> tuple[int, ...]:
+        """ROWS-5: a state's left padding checked against its arrays (rows, offset), as
+        stored: () for no padded row; ValueError, nothing changed, if inconsistent."""
+        padding = tuple(state.left_padding)
+        if not padding:
+            return ()
+        if arrays_rows is None or len(padding) != arrays_rows:
+            raise ValueError(f"left padding {padding} does not give one count per row")
+        if any(not 0 <= p <= state.offset for p in padding) or min(padding) != 0:
+            raise ValueError(
+                f"left padding {padding} must lie in [0, offset={state.offset}] and leave a "
+                "row with none"
+            )
+        return padding if any(padding) else ()
+
+    def _check_padding_invariants(self) -> None:
+        """ROWS-5 invariants: one count per row, each at most the offset, one row unpadded."""
+        if not self._left_padding:
+            return
+        assert self._layout is not None
+        padding = self._left_padding
+        require(len(padding) == self._layout.batch, f"left padding {padding} is not one per row")
+        require(min(padding) == 0, f"left padding {padding} leaves no row unpadded")
+        require(max(padding) <= self.offset, f"left padding {padding} exceeds the offset")
+
+    def carry_positions(self, source: FieldStorage) -> None:
+        """A conversion's target takes its source's offset, minimum reusable offset and
+        left padding (CACHE-9, ROWS-5)."""
+        self.offset = source.offset
+        self.minimum_reusable_offset = source.minimum_reusable_offset
+        self._left_padding = source._left_padding
 
     def _append_layout(self, k: np.ndarray, v: np.ndarray) -> KvLayout:
         """The layout an append of `k`, `v` fixes (CACHE-2)."""
@@ -141,6 +206,7 @@ class FieldStorage(DecodeStepMethods, ReadMethods):
         self.offset = 0
         self.minimum_reusable_offset = 0
         self._failure = 0
+        self._left_padding = ()
 
 
 class PlainFields:
