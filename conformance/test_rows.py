@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvspec.conformance.cache_machine import assert_same_state, random_kv
 from kvspec.conformance.persistence_vectors import GOLDEN_CACHES
+from kvspec.conformance.rows_machine import run_rows_machine
 from kvspec.reference import caches as reference
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
@@ -140,3 +141,32 @@ def test_clones_and_minimum_reusable_offset(backend) -> None:
     assert_same_state(
         _numpy_state_cache(rows.extract_row(caches[0], 0), backend), single[0], backend
     )
+
+
+@st.composite
+def padded_kinds(draw: st.DrawFn):
+    """Every storage kind that holds rows of their own lengths (rings with keep 0,
+    ROWS-5), with its head_dim."""
+    bits = draw(st.sampled_from([2, 3, 4, 8]))
+    max_size = draw(st.integers(1, 6))
+    start = draw(st.sampled_from([0, 3, 6]))
+    kernels = draw(st.sampled_from(["dense", "deferred"]))
+    kinds = {
+        "kv": lambda m: m.KVCache(),
+        "affine": lambda m: m.QuantizedKVCache(32, bits),
+        "rotating": lambda m: m.RotatingKVCache(max_size),
+        "rotating-affine": lambda m: m.RotatingQuantizedKVCache(max_size, 32, bits),
+        "turboquant": lambda m: m.TurboQuantKVCache(8, 4, kernels),
+        "bf16-first-affine": lambda m: m.Bf16FirstQuantizedKVCache(32, bits, start),
+        "bf16-first-rotating-affine": lambda m: m.Bf16FirstRotatingQuantizedKVCache(
+            max_size, 32, bits, start
+        ),
+        "bf16-first-turboquant": lambda m: m.Bf16FirstTurboQuantKVCache(4, 2, start, kernels),
+    }
+    return kinds[draw(st.sampled_from(sorted(kinds)))], 64
+
+
+def test_rows_of_their_own_lengths_machine(backend) -> None:
+    """ROWS-5 .. ROWS-10: merge, appends and reads, trims, filters, extends, files and
+    donor rows of a padded batch, row by row against the models and single caches."""
+    run_rows_machine(backend, padded_kinds())
