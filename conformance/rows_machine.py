@@ -295,7 +295,7 @@ class RowsMachine(RuleBasedStateMachine):
             assert row.offset == model.offset
             padding = self.ref.left_padding[b]
             assert row.minimum_reusable_offset == max(0, self.ref.minimum_reusable_offset - padding)
-            arrays = _window(row.state(), _single(model).max_size)
+            arrays = stored_window(row.state(), _single(model).max_size)
             if not model.held:
                 assert all(a.shape[2] == 0 for a in arrays), "a row trimmed to 0 holds rows"
                 continue
@@ -311,7 +311,11 @@ class RowsMachine(RuleBasedStateMachine):
         """ROWS-8: the row's fields are its own cache's (a ring's: its window)."""
         max_size = row.sliding_window
         assert row.offset == alone.offset
-        pairs = zip(_window(row.state(), max_size), _window(alone.state(), max_size), strict=True)
+        pairs = zip(
+            stored_window(row.state(), max_size),
+            stored_window(alone.state(), max_size),
+            strict=True,
+        )
         for slot, (got, want) in enumerate(pairs):
             assert_same_bits(got, want, f"alone slot {slot}")
 
@@ -323,7 +327,7 @@ def _joined_as_they_lie(states: list[Any]) -> bool:
     return len(lying) == 1 and not any(s.left_padding for s in states)
 
 
-def _window(state: Any, max_size: int | None) -> tuple[np.ndarray, ...]:
+def stored_window(state: Any, max_size: int | None) -> tuple[np.ndarray, ...]:
     """A single-row state's stored positions: growable storage's rows; a ring's window,
     its last min(offset, max_size) positions oldest first (ROWS-8)."""
     arrays = tuple(np.asarray(a) for a in state.arrays)
