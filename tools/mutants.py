@@ -59,6 +59,7 @@ MASKS = "conformance/test_masks.py"
 CONVERSIONS = "conformance/test_conversions.py"
 DECODE = "conformance/test_decode_step.py"
 GOLDEN = "conformance/test_golden.py"
+ROWS = "conformance/test_rows.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -124,9 +125,9 @@ CATALOGUE = (
     ),
     Mutant(
         "trim-past-offset",
-        "reference/caches/kv.py",
-        "        trimmed = min(n, self.offset)\n",
-        "        trimmed = n if n <= self.offset else 0\n",
+        "reference/caches/storage.py",
+        "        return min(n, self.offset - max(self._left_padding, default=0))\n",
+        "        return n if n <= self.offset else 0\n",
         "trim(n) with n > offset trims nothing (CACHE-5)",
         (f"{KV}::test_kv_cache_machine",),
     ),
@@ -361,6 +362,47 @@ CATALOGUE = (
         "        rows = self._live_rows() - 1\n",
         "the MLX decode read leaves out the position just appended (READ-2, READ-7)",
         (f"{KV}::test_kv_cache_machine", DECODE),
+    ),
+    # -- rows of their own lengths (ROWS-5 .. ROWS-10) ---------------------------------
+    Mutant(
+        "rows-padding-visible",
+        "reference/caches/storage.py",
+        "        if not self._left_padding:\n            return mask\n",
+        "        if self._left_padding or not self._left_padding:\n            return mask\n",
+        "reads of a padded batch show each row its padding (ROWS-6)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
+        "rows-ring-positions-unwrapped",
+        "reference/caches/rotating.py",
+        "    wrapped = (rows >= ring_index) & (ring_index < offset)\n",
+        "    wrapped = (rows >= ring_index) & (ring_index < 0)\n",
+        "a wrapped ring's rows taken as in temporal order for padding and extract (ROWS-6, ROWS-8)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
+        "rows-trim-past-shortest",
+        "reference/caches/storage.py",
+        "        return min(n, self.offset - max(self._left_padding, default=0))\n",
+        "        return min(n, self.offset)\n",
+        "a padded batch trims past its shortest row (ROWS-7)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine", f"{ROWS}::test_padded_batch_edges"),
+    ),
+    Mutant(
+        "rows-merge-pads-right",
+        "reference/rows.py",
+        "[xp.zeros((*a.shape[:2], length - a.shape[2], a.shape[3]), a.dtype), a]",
+        "[a, xp.zeros((*a.shape[:2], length - a.shape[2], a.shape[3]), a.dtype)]",
+        "merge pads the shorter rows after their positions, not before (ROWS-9)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
+        "rows-donor-starts-unpadded",
+        "reference/caches/donor.py",
+        "    starts = tuple(row_offset - min(T, row_offset) for row_offset in offsets)\n",
+        "    starts = tuple(row_offset - T for row_offset in offsets)\n",
+        "donor rows of a padded batch start every row T positions back (ROWS-10, DONOR-1)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
     ),
 )
 
