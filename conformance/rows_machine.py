@@ -21,7 +21,6 @@ import tempfile
 from typing import Any, ClassVar
 
 import numpy as np
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -29,7 +28,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from kvspec.conformance.backend import Backend
@@ -349,23 +347,3 @@ def _window_of_model(model: Model) -> tuple[np.ndarray, ...]:
         return fields
     held = min(model.offset, max_size)
     return tuple(f[:, :, f.shape[2] - held :] for f in fields)
-
-
-def run_rows_machine(
-    backend: Backend,
-    kinds: st.SearchStrategy[tuple[Factory, int]],
-    max_examples: int | None = None,
-) -> None:
-    """Run RowsMachine over `kinds` against `backend`, scaled to the loaded profile."""
-    profile = settings.default
-    bound = type("RowsMachine", (RowsMachine,), {"backend": backend, "kinds": kinds})
-    run_state_machine_as_test(
-        bound,
-        settings=settings(
-            max_examples=max_examples or max(10, profile.max_examples // 2),
-            stateful_step_count=20,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-            print_blob=True,
-        ),
-    )

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.cache_machine import assert_same_state, random_kv
+from kvspec.conformance.cache_machine import assert_same_state, random_kv, run_machine
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.conformance.persistence_vectors import GOLDEN_CACHES
-from kvspec.conformance.rows_machine import run_rows_machine, stored_window
+from kvspec.conformance.rows_machine import RowsMachine, stored_window
 from kvspec.reference import caches as reference
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
@@ -170,7 +170,7 @@ def padded_kinds(draw: st.DrawFn):
 def test_rows_of_their_own_lengths_machine(backend) -> None:
     """ROWS-5 .. ROWS-10: merge, appends and reads, trims, filters, extends, files and
     donor rows of a padded batch, row by row against the models and single caches."""
-    run_rows_machine(backend, padded_kinds())
+    run_machine(backend, padded_kinds(), RowsMachine, max_length=7)
 
 
 def _rows_of(family, factory, lengths, head_dim: int = 64, seed: int = 0):
