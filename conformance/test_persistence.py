@@ -23,7 +23,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from kvspec.accelerated.mlx_lm.cache import CacheRecipe, kvspec_cache
 from kvspec.conformance.cache_machine import assert_same_state, random_kv
 from kvspec.conformance.persistence_vectors import (
-    GOLDEN_CACHES,
+    GOLDEN_FILES,
     METADATA,
     golden_bytes,
     golden_cache,
@@ -524,7 +524,7 @@ def test_mlx_lm_file_of_other_classes_is_refused(backend) -> None:
             backend.module("persistence").load_mlx_lm_prompt_cache(adapter_path)
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_CACHES))
+@pytest.mark.parametrize("name", sorted(GOLDEN_FILES))
 def test_golden_file(backend, name: str) -> None:
     """docs/vectors/persistence: the reference writes each golden file byte for byte (so
     `tools/golden.py` left none stale), and the backend loads it into the state the
