@@ -297,3 +297,15 @@ def test_padded_batch_files_and_donor_rows(backend, tmp_path) -> None:
     donor = family.capture_donor_rows(batch)
     assert (donor.offsets, donor.starts, donor.ends) == ((2, 5), (0, 2), (2, 5))
     assert donor.keys.shape[2] == 3
+    # DONOR-2: each drafter row attends over its own donor positions only.
+    singles = _rows_of(family, lambda m: m.RotatingKVCache(3), [2, 5])
+    queries = np.random.default_rng(7).standard_normal((2, 4, 3, 64)).astype(np.float16)
+    together = backend.to_numpy(
+        family.capture_donor_attention(batch).attend(family_array(family, queries), 0.125)
+    )
+    for b, single in enumerate(singles):
+        read = family.capture_donor_attention(single)
+        alone = backend.to_numpy(read.attend(family_array(family, queries[b : b + 1]), 0.125))
+        np.testing.assert_allclose(together[b : b + 1], alone, rtol=2e-3, atol=2e-3)
+    (first,) = rows.clone_single_row_state([batch])
+    assert (first.offset, first.left_padding) == (2, (0,))
