@@ -79,13 +79,19 @@ class RowsMachine(RuleBasedStateMachine):
         kv_heads=st.integers(1, 2),
         lengths=st.lists(st.integers(1, 7), min_size=2, max_size=3),
         seed=st.integers(0, 2**32 - 1),
+        prepared=st.booleans(),
     )
-    def start(self, data, dtype, kv_heads, lengths, seed) -> None:
+    def start(self, data, dtype, kv_heads, lengths, seed, prepared) -> None:
+        """Rows appended alone and merged (ROWS-9), or one left-padded first append of
+        every row's prompt (ROWS-11)."""
         self.factory, self.head_dim = data.draw(self.kinds, label="kind")
         self.dtype = FLOAT_DTYPES[dtype]
         self.kv_heads = kv_heads
         self.family = self.backend.module("caches")
         self.rows = self.backend.module("rows")
+        if prepared:
+            self._start_prepared(lengths, seed)
+            return
         singles = [self._new_row(seed + i, n) for i, n in enumerate(lengths)]
         # bf16-first rows join only rows holding the same storage (ROWS-3).
         singles = [row for row in singles if row[0].signature() == singles[0][0].signature()]
@@ -95,6 +101,30 @@ class RowsMachine(RuleBasedStateMachine):
         self.ref = reference_rows.merge([self._clone(ref) for ref in self.alone])
         self.got = self.rows.merge([got for _, got, _ in singles])
         self._models_follow_the_batch(cut)
+
+    def _start_prepared(self, lengths: list[int], seed: int) -> None:
+        """ROWS-11: the prompts left padded to the longest, padding of random content,
+        appended at once; each row's model and own cache take the row's prompt alone (a
+        bf16-first model due as the batch is, ROWS-7)."""
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        k, v = self._kv(seed, len(lengths), longest)
+        self.ref, self.got = self.factory(reference), self.factory(self.family)
+        self.ref.prepare(left_padding=padding)
+        self.got.prepare(left_padding=padding)
+        self.ref.update_and_fetch(k, v)
+        self.got.update_and_fetch(self.backend.from_numpy(k), self.backend.from_numpy(v))
+        self.alone, self.models = [], []
+        for b, pad in enumerate(padding):
+            row_k, row_v = k[b : b + 1, :, pad:], v[b : b + 1, :, pad:]
+            alone = self.factory(reference)
+            alone.update_and_fetch(row_k, row_v)
+            model = model_of(alone)
+            if isinstance(model, Bf16FirstModel):
+                model.start = alone.start - pad
+            model.append(row_k, row_v)
+            self.alone.append(alone)
+            self.models.append(model)
 
     # -- helpers -------------------------------------------------------------------------
 

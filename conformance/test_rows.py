@@ -309,3 +309,31 @@ def test_padded_batch_files_and_donor_rows(backend, tmp_path) -> None:
         np.testing.assert_allclose(together[b : b + 1], alone, rtol=2e-3, atol=2e-3)
     (first,) = rows.clone_single_row_state([batch])
     assert (first.offset, first.left_padding) == (2, (0,))
+
+
+def test_prepared_padding(backend) -> None:
+    """ROWS-11 by hand: a left-padded first append; what cannot be honoured raises
+    ValueError and changes nothing."""
+    family, rows = backend.module("caches"), backend.module("rows")
+    prompt = np.random.default_rng(3).standard_normal((2, 2, 4, 64)).astype(np.float16)
+    k = family_array(family, prompt)
+    cache = family.QuantizedKVCache(32, 4)
+    for bad in ([], [1, 2], [-1, 0]):
+        with pytest.raises(ValueError, match="one count"):
+            cache.prepare(left_padding=bad)
+    with pytest.raises(ValueError, match="keep 0"):
+        family.RotatingKVCache(4, keep=1).prepare(left_padding=[2, 0])
+    cache.prepare(left_padding=[3, 0])
+    for wrong in (k[:1], k[:, :, :2]):
+        with pytest.raises(ValueError, match="prepared left padding"):
+            cache.update_and_fetch(wrong, wrong)
+        assert cache.layout is None and cache.offset == 0
+    queries = family_array(family, np.ones((2, 2, 4, 64), np.float16))
+    out = backend.to_numpy(cache.append_window(k, k).attend(queries, 0.125))
+    assert np.isfinite(out).all()
+    assert (cache.left_padding, cache.row_offsets) == ((3, 0), (1, 4))
+    alone = family.QuantizedKVCache(32, 4)
+    alone.update_and_fetch(k[:1, :, 3:], k[:1, :, 3:])
+    assert_same_state(_numpy_state_cache(alone, backend), rows.extract_row(cache, 0), backend)
+    with pytest.raises(ValueError, match="holding nothing"):
+        cache.prepare(left_padding=[0, 0])

@@ -107,6 +107,10 @@ class Bf16FirstCache(Cache[A]):
     def left_padding(self) -> tuple[int, ...]:
         return self.storage.left_padding
 
+    def prepare(self, *, left_padding: Sequence[int]) -> None:
+        """ROWS-11: the held storage's."""
+        self.storage.prepare(left_padding=left_padding)
+
     @property
     def sliding_window(self) -> int | None:
         return self.storage.sliding_window

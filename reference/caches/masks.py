@@ -74,10 +74,22 @@ def mask_matrix(mask: Mask, n: int, t: int) -> np.ndarray:
     return np.broadcast_to(visible, (n, t))
 
 
-def padded_mask(mask: Mask, n: int, positions: np.ndarray, left_padding: np.ndarray) -> np.ndarray:
+def padded_mask(
+    mask: Mask,
+    n: int,
+    positions: np.ndarray,
+    left_padding: np.ndarray,
+    query_positions: np.ndarray | None = None,
+) -> np.ndarray:
     """ROWS-6: bool [B, 1, n, T] for a batch whose row b starts at buffer position
     left_padding[b]: `mask` over keys at buffer `positions` [T], and each row's keys before
-    its first position hidden from its queries."""
+    its first position hidden from its queries. A query at buffer `query_positions[i]`
+    before its row's first position (a padded prompt, ROWS-11) sees only its own key."""
     shared = mask_matrix(mask, n, positions.size)
     own = positions[None, :] >= left_padding[:, None]
-    return shared[None, None] & own[:, None, None, :]
+    visible = shared[None, None] & own[:, None, None, :]
+    if query_positions is None:
+        return visible
+    padding_query = query_positions[None, :] < left_padding[:, None]
+    itself = query_positions[:, None] == positions[None, :]
+    return visible | (padding_query[:, None, :, None] & itself[None, None])

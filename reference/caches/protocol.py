@@ -8,6 +8,7 @@ backend answers the same questions in the same words.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -105,6 +106,11 @@ class Cache(ABC, Generic[A]):
     def left_padding(self) -> tuple[int, ...]:
         """Per row, the leading buffer positions that are not the row's own (ROWS-5): B
         zeros unless rows of different lengths were merged; empty while nothing is stored."""
+
+    @abstractmethod
+    def prepare(self, *, left_padding: Sequence[int]) -> None:
+        """Row b's first `left_padding[b]` positions of the first append are padding
+        (ROWS-11; mlx-lm's `prepare`)."""
 
     @property
     def row_offsets(self) -> tuple[int, ...]:

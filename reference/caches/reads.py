@@ -91,9 +91,9 @@ class ReadMethods(Cache[np.ndarray]):
         keys, values = self.update_and_fetch(k, v)
         return self.dense_read(keys, values, self._rows_mask(mask, k.shape[2], keys.shape[2]))
 
-    def _rows_mask(self, mask: Mask, n: int, t: int) -> Mask:
+    def _rows_mask(self, mask: Mask, n: int, t: int, appended: bool = True) -> Mask:
         """`mask` for `n` queries over `t` keys with each row's left padding hidden (ROWS-6);
-        storage with padded rows says how."""
+        storage with padded rows says how. `appended`: the queries are the append's."""
         return mask
 
     def append_decode(self, k: np.ndarray, v: np.ndarray) -> Read:
@@ -124,7 +124,7 @@ class ReadMethods(Cache[np.ndarray]):
         keys = self.xp.concatenate([stored[0], k], axis=2)
         values = self.xp.concatenate([stored[1], v], axis=2)
         # One mask row for any number of queries: only padding is hidden (ROWS-6).
-        return self.dense_read(keys, values, self._rows_mask(None, 1, keys.shape[2]))
+        return self.dense_read(keys, values, self._rows_mask(None, 1, keys.shape[2], False))
 
     def _check_first_window(
         self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray, read: str

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -192,6 +193,14 @@ class RingStorage(FieldStorage):
         self.offset -= trimmed
         self._index -= trimmed
         return trimmed
+
+    def prepare(self, *, left_padding: Sequence[int]) -> None:
+        """ROWS-11; a ring pads rows only with keep 0 (ROWS-5)."""
+        if self.keep and any(left_padding):
+            raise ValueError(
+                f"rows of their own lengths need a ring with keep 0, not {self.keep} (ROWS-5)"
+            )
+        super().prepare(left_padding=left_padding)
 
     def _buffer_positions(self, count: int) -> np.ndarray:
         """ROWS-6: the live rows' positions in ring order, then a block's after them."""
