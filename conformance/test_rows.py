@@ -337,3 +337,16 @@ def test_prepared_padding(backend) -> None:
     assert_same_state(_numpy_state_cache(alone, backend), rows.extract_row(cache, 0), backend)
     with pytest.raises(ValueError, match="holding nothing"):
         cache.prepare(left_padding=[0, 0])
+
+
+def test_restore_drops_prepared_padding(backend) -> None:
+    """ROWS-11: a state restored over a prepared cache replaces the prepared counts too."""
+    family = backend.module("caches")
+    k = family_array(family, np.ones((2, 1, 3, 32), np.float16))
+    for make in (family.KVCache, lambda: family.RotatingKVCache(4)):
+        source, cache = make(), make()
+        source.update_and_fetch(k, k)
+        cache.prepare(left_padding=[2, 0])
+        cache.restore_state(source.state())
+        cache.update_and_fetch(k, k)
+        assert cache.left_padding == (0, 0)

@@ -154,6 +154,7 @@ class GrowingStorage(FieldStorage):
         self.minimum_reusable_offset = state.minimum_reusable_offset
         self._failure = 0
         self._left_padding = padding
+        self._prepared_padding = ()
 
     def check_invariants(self) -> None:
         """CACHE-3 invariants, and ROWS-5's."""

@@ -251,6 +251,7 @@ class RingStorage(FieldStorage):
         self.minimum_reusable_offset = state.minimum_reusable_offset
         self._failure = 0
         self._left_padding = padding
+        self._prepared_padding = ()
 
     def release(self) -> None:
         """Back to the constructed state, ring index 0 included (CACHE-9)."""
