@@ -91,6 +91,12 @@ def _own_row_state(state: CacheState, row: int, xp: Any, window: int | None) -> 
     return CacheState(state.signature, own.arrays, own.offset, index, own.minimum_reusable_offset)
 
 
+def _left_padded(rows: Any, length: int, xp: Any) -> Any:
+    """ROWS-9: one row's stored rows [1, H, h, *] after length - h zero rows."""
+    zeros = xp.zeros((*rows.shape[:2], length - rows.shape[2], rows.shape[3]), rows.dtype)
+    return xp.concatenate([zeros, rows], axis=2)
+
+
 def _aligned_state(states: Sequence[CacheState], xp: Any, window: int | None) -> CacheState:
     """ROWS-9: the rows of `states` left padded to the longest: every row's newest
     position at the last buffer row, zero fields before a row's oldest, a ring in temporal
@@ -101,16 +107,7 @@ def _aligned_state(states: Sequence[CacheState], xp: Any, window: int | None) ->
     offset = max(row.offset for row in own)
     length = max(row.arrays[0].shape[2] for row in own)
     arrays = tuple(
-        xp.concatenate(
-            [
-                xp.concatenate(
-                    [xp.zeros((*a.shape[:2], length - a.shape[2], a.shape[3]), a.dtype), a],
-                    axis=2,
-                )
-                for a in slot
-            ],
-            axis=0,
-        )
+        xp.concatenate([_left_padded(rows, length, xp) for rows in slot], axis=0)
         for slot in zip(*(row.arrays for row in own), strict=True)
     )
     padding = tuple(offset - row.offset for row in own)

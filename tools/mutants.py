@@ -391,8 +391,8 @@ CATALOGUE = (
     Mutant(
         "rows-merge-pads-right",
         "reference/rows.py",
-        "[xp.zeros((*a.shape[:2], length - a.shape[2], a.shape[3]), a.dtype), a]",
-        "[a, xp.zeros((*a.shape[:2], length - a.shape[2], a.shape[3]), a.dtype)]",
+        "    return xp.concatenate([zeros, rows], axis=2)\n",
+        "    return xp.concatenate([rows, zeros], axis=2)\n",
         "merge pads the shorter rows after their positions, not before (ROWS-9)",
         (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
     ),
