@@ -15,7 +15,6 @@ the longest row is due (ROWS-7): the row models are told so.
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 from typing import Any, ClassVar
@@ -40,7 +39,7 @@ from kvspec.conformance.cache_machine import (
     temporal,
 )
 from kvspec.conformance.compare import assert_same_bits
-from kvspec.conformance.oracles import Bf16FirstModel, Model, model_of
+from kvspec.conformance.oracles import Model, RowsModel, model_of, plain_model
 from kvspec.reference import caches as reference
 from kvspec.reference import persistence as reference_persistence
 from kvspec.reference import rows as reference_rows
@@ -58,11 +57,6 @@ class _RowOf:
 
     def attend(self, queries: np.ndarray, scale: float) -> np.ndarray:
         return self.read.attend(self.queries, scale)[self.row : self.row + 1]
-
-
-def _single(model: Model) -> Any:
-    """The plain-list model under a bf16-first model."""
-    return model.model if isinstance(model, Bf16FirstModel) else model
 
 
 class RowsMachine(RuleBasedStateMachine):
@@ -96,11 +90,11 @@ class RowsMachine(RuleBasedStateMachine):
         # bf16-first rows join only rows holding the same storage (ROWS-3).
         singles = [row for row in singles if row[0].signature() == singles[0][0].signature()]
         self.alone = [ref for ref, _, _ in singles]
-        self.models = [model for _, _, model in singles]
+        self.model = RowsModel([model for _, _, model in singles], _start(self.alone[0]))
         cut = not _joined_as_they_lie([ref.state() for ref in self.alone])
         self.ref = reference_rows.merge([self._clone(ref) for ref in self.alone])
         self.got = self.rows.merge([got for _, got, _ in singles])
-        self._models_follow_the_batch(cut)
+        self.model.follow(self.model.left_padding, cut)
 
     def _start_prepared(self, lengths: list[int], seed: int) -> None:
         """ROWS-11: the prompts left padded to the longest, padding of random content,
@@ -114,17 +108,13 @@ class RowsMachine(RuleBasedStateMachine):
         self.got.prepare(left_padding=padding)
         self.ref.update_and_fetch(k, v)
         self.got.update_and_fetch(self.backend.from_numpy(k), self.backend.from_numpy(v))
-        self.alone, self.models = [], []
+        self.alone = [self.factory(reference) for _ in padding]
+        self.model = RowsModel([model_of(alone) for alone in self.alone], _start(self.ref))
+        self.model.follow(tuple(padding), cut=False)
         for b, pad in enumerate(padding):
             row_k, row_v = k[b : b + 1, :, pad:], v[b : b + 1, :, pad:]
-            alone = self.factory(reference)
-            alone.update_and_fetch(row_k, row_v)
-            model = model_of(alone)
-            if isinstance(model, Bf16FirstModel):
-                model.start = alone.start - pad
-            model.append(row_k, row_v)
-            self.alone.append(alone)
-            self.models.append(model)
+            self.alone[b].update_and_fetch(row_k, row_v)
+            self.model.rows[b].append(row_k, row_v)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -155,20 +145,8 @@ class RowsMachine(RuleBasedStateMachine):
         fresh.restore_state(cache.state())
         return fresh
 
-    def _models_follow_the_batch(self, cut: bool) -> None:
-        """ROWS-7: a bf16-first row switches when the batch's longest row is due, so its
-        model is due at its own offset plus its padding; ROWS-8, ROWS-9: with `cut`, a ring
-        row taken out or aligned keeps its window, the last max_size positions."""
-        for model, padding in zip(self.models, self.ref.left_padding, strict=True):
-            if isinstance(model, Bf16FirstModel) and not model.converted:
-                model.start = self.ref.start - padding
-            plain = _single(model)
-            if cut and plain.max_size is not None and len(plain.held) > plain.max_size:
-                plain.held = plain.held[-plain.max_size :]
-                plain._memo.clear()
-
     def _check_read(self, expected: Any, actual: Any, model_reads: list, seed: int, n: int):
-        queries = self._queries(seed, len(self.models), n)
+        queries = self._queries(seed, len(self.model.rows), n)
         for b, model_read in enumerate(model_reads):
             assert_read_matches_model(model_read, _RowOf(expected, b, queries), queries[b : b + 1])
         assert_read_within_bound(expected, actual, queries, self.backend)
@@ -192,13 +170,13 @@ class RowsMachine(RuleBasedStateMachine):
         """READ-2 .. READ-4 on the batch (ROWS-6); every row and its single cache take
         the row's positions."""
         length = 1 if read == "decode" else data.draw(st.integers(1, self.max_length))
-        k, v = self._kv(seed, len(self.models), length)
+        k, v = self._kv(seed, len(self.model.rows), length)
         method = {"window": "append_window", "committed": "append_committed"}.get(
             read, "append_decode"
         )
         expected, actual = self._both(method, k, v)
         model_reads = []
-        for b, (model, alone) in enumerate(zip(self.models, self.alone, strict=True)):
+        for b, (model, alone) in enumerate(zip(self.model.rows, self.alone, strict=True)):
             row_k, row_v = k[b : b + 1], v[b : b + 1]
             alone.update_and_fetch(row_k, row_v)
             if read == "committed" and self._positionwise():
@@ -216,10 +194,10 @@ class RowsMachine(RuleBasedStateMachine):
     def block(self, data, seed) -> None:
         """READ-5: each row sees its own positions and the block."""
         length = data.draw(st.integers(1, 3))
-        k, v = self._kv(seed, len(self.models), length)
+        k, v = self._kv(seed, len(self.model.rows), length)
         expected, actual = self._both("read_block", k, v)
         model_reads = [
-            model.block(k[b : b + 1], v[b : b + 1]) for b, model in enumerate(self.models)
+            model.block(k[b : b + 1], v[b : b + 1]) for b, model in enumerate(self.model.rows)
         ]
         self._check_read(expected, actual, model_reads, seed, length)
 
@@ -229,28 +207,26 @@ class RowsMachine(RuleBasedStateMachine):
         if not self.ref.is_trimmable():
             assert not self.got.is_trimmable()
             return
-        shortest = min(self.ref.row_offsets)
         trimmed = self.ref.trim(n)
-        assert trimmed == self.got.trim(n) == min(n, shortest)
-        for model, alone in zip(self.models, self.alone, strict=True):
+        assert trimmed == self.got.trim(n) == self.model.trim(n)
+        for alone in self.alone:
             # Each row's own ring holds no more than the batch's: trimmable too (RING-5).
-            assert model.trim(trimmed) == alone.trim(trimmed) == trimmed
+            assert alone.trim(trimmed) == trimmed
 
     @rule(data=st.data())
     def filter(self, data) -> None:
         """ROWS-8: rows kept in any order, repeats allowed; padding no row needs dropped."""
-        count = len(self.models)
+        count = len(self.model.rows)
         picked = data.draw(
             st.lists(st.integers(0, count - 1), min_size=1, max_size=MAX_ROWS), label="rows"
         )
         cut = any(self.ref.left_padding)
         self.ref = reference_rows.filter_rows(self.ref, picked)
         self.got = self.rows.filter_rows(self.got, picked)
-        self.models = [copy.deepcopy(self.models[i]) for i in picked]
+        self.model.filter(picked, cut)
         self.alone = [self._clone(self.alone[i]) for i in picked]
-        self._models_follow_the_batch(cut)
 
-    @precondition(lambda self: len(self.models) < MAX_ROWS)
+    @precondition(lambda self: len(self.model.rows) < MAX_ROWS)
     @rule(length=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
     def extend(self, length, seed) -> None:
         """ROWS-9: a row of its own length joins; a bf16-first row holding the other
@@ -272,8 +248,7 @@ class RowsMachine(RuleBasedStateMachine):
         reference_rows.extend(self.ref, ref)
         self.rows.extend(self.got, got)
         self.alone.append(self._clone(ref))
-        self.models.append(model)
-        self._models_follow_the_batch(cut)
+        self.model.extend(model, cut)
 
     @rule()
     def save_and_load(self) -> None:
@@ -295,7 +270,7 @@ class RowsMachine(RuleBasedStateMachine):
         rows = reference.capture_donor_rows(self.ref)
         assert (donor.offsets, donor.starts, donor.ends) == (rows.offsets, rows.starts, rows.ends)
         assert rows.offsets == self.ref.row_offsets == rows.ends
-        for b, model in enumerate(self.models):
+        for b, model in enumerate(self.model.rows):
             held = rows.ends[b] - rows.starts[b]
             want_k, want_v = model.window()  # type: ignore[misc]
             assert held <= want_k.shape[2]
@@ -314,16 +289,16 @@ class RowsMachine(RuleBasedStateMachine):
         self.got.check_invariants()
         assert_same_state(self.ref, self.got, self.backend)
         assert self.got.left_padding == self.ref.left_padding
-        assert self.ref.row_offsets == tuple(model.offset for model in self.models)
-        assert min(self.ref.left_padding) == 0, "padding no row needs (ROWS-5)"
-        for b, model in enumerate(self.models):
+        assert self.ref.row_offsets == self.model.offsets
+        assert self.ref.left_padding == self.model.left_padding
+        for b, model in enumerate(self.model.rows):
             row = reference_rows.extract_row(self.ref, b)
             row.check_invariants()
             assert row.signature() == model.signature()
             assert row.offset == model.offset
             padding = self.ref.left_padding[b]
             assert row.minimum_reusable_offset == max(0, self.ref.minimum_reusable_offset - padding)
-            arrays = stored_window(row.state(), _single(model).max_size)
+            arrays = stored_window(row.state(), plain_model(model).max_size)
             if not model.held:
                 assert all(a.shape[2] == 0 for a in arrays), "a row trimmed to 0 holds rows"
                 continue
@@ -346,6 +321,11 @@ class RowsMachine(RuleBasedStateMachine):
         )
         for slot, (got, want) in enumerate(pairs):
             assert_same_bits(got, want, f"alone slot {slot}")
+
+
+def _start(cache: Any) -> int | None:
+    """A bf16-first cache's start (B16F-1); None for other kinds."""
+    return cache.start if isinstance(cache, reference.Bf16FirstCache) else None
 
 
 def _joined_as_they_lie(states: list[Any]) -> bool:
@@ -372,7 +352,7 @@ def stored_window(state: Any, max_size: int | None) -> tuple[np.ndarray, ...]:
 def _window_of_model(model: Model) -> tuple[np.ndarray, ...]:
     """The model's stored positions as `_window` takes them from a state."""
     fields = model.fields()
-    max_size = _single(model).max_size
+    max_size = plain_model(model).max_size
     if max_size is None:
         return fields
     held = min(model.offset, max_size)
