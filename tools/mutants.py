@@ -397,6 +397,14 @@ CATALOGUE = (
         (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
     ),
     Mutant(
+        "rows-prepared-padding-ignored",
+        "reference/caches/storage.py",
+        "        if self._prepared_padding:\n            self._left_padding",
+        "        if not self._prepared_padding:\n            self._left_padding",
+        "a left-padded first append forgets its prepared padding (ROWS-11)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
         "rows-donor-starts-unpadded",
         "reference/caches/donor.py",
         "    starts = tuple(row_offset - min(T, row_offset) for row_offset in offsets)\n",
