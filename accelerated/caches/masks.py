@@ -33,13 +33,7 @@ def rotating_make_mask(
     return _on_mlx(masks.rotating_make_mask(n, offset, max_size, ring_index, window_size))
 
 
-def padded_mask(
-    mask: Mask,
-    n: int,
-    positions: np.ndarray,
-    left_padding: np.ndarray,
-    query_positions: np.ndarray | None = None,
-) -> mx.array:
-    """ROWS-6: bool [B, 1, n, T], the reference's mask of rows of their own lengths."""
-    shared = mask if mask is None or isinstance(mask, str) else np.array(mask)
-    return mx.array(masks.padded_mask(shared, n, positions, left_padding, query_positions))
+def padded_mask(mask: Mask, n: int, *positions: np.ndarray | None) -> mx.array:
+    """ROWS-6: bool [B, 1, n, T]; `positions` as the reference takes them (the keys', the
+    rows' left padding, the queries')."""
+    return mx.array(masks.padded_mask(mask, n, *positions))
