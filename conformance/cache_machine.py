@@ -48,7 +48,6 @@ from kvspec.conformance.oracles import (
 )
 from kvspec.conformance.strategies import GROUP_KINDS, edge_group
 from kvspec.reference import caches as reference
-from kvspec.reference import rows as reference_rows
 from kvspec.reference import turboquant
 from kvspec.reference.caches.masks import mask_matrix
 from kvspec.reference.caches.reads import DenseRead, PositionwiseRead
@@ -390,18 +389,6 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert not self.got.is_trimmable()
         self._expect_rejected(lambda cache, _: cache.trim(n))
-
-    @precondition(lambda self: self.ref.layout is not None)
-    @rule()
-    def rows_split_and_merged(self) -> None:
-        """ROWS-2, ROWS-3: every row taken out on its own and merged back in order is the
-        batch, bit for bit (the step's invariants compare it with the model)."""
-        rows = self.backend.module("rows")
-        self.ref = reference_rows.merge(
-            [reference_rows.extract_row(self.ref, b) for b in range(self.batch)]
-        )
-        self.got = rows.merge([rows.extract_row(self.got, b) for b in range(self.batch)])
-        self.model.restored()
 
     @rule()
     def state_and_restore(self) -> None:
