@@ -1,4 +1,4 @@
-"""Rows of caches on MLX (spec ROWS-1 .. ROWS-4): the reference's functions, which rebuild
+"""Rows of caches on MLX (spec ROWS-1 .. ROWS-10): the reference's functions, which rebuild
 each cache from the caches package its class belongs to and join rows through its `xp`."""
 
 from kvspec.reference.rows import (

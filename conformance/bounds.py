@@ -192,6 +192,9 @@ def rounded_attention_interval(
     B, Hq, N, D = queries.shape
     _, Hk, T, _ = keys.shape
     group = Hq // Hk
+    if visible.ndim == 4:
+        # Rows of their own lengths (ROWS-6): [B, 1, N, T] over the query-head group axis.
+        visible = visible[:, :, None]
     q = queries.astype(np.float64).reshape(B, Hk, group, N, D)
     k = np.swapaxes(keys.astype(np.float64), -1, -2)[:, :, None]
     v = values.astype(np.float64)[:, :, None]

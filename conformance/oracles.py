@@ -24,6 +24,7 @@ list with the ring index (RING-4), so the models never compute a ring layout.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -390,3 +391,59 @@ def model_of(cache: Any) -> Model:
     if isinstance(cache, reference.KVCache):
         return CacheModel(PlainCodec(), "")
     raise TypeError(f"no model of {type(cache).__name__}")
+
+
+def plain_model(model: Model) -> CacheModel:
+    """The list of positions under a model: its own, or a bf16-first model's held one."""
+    return model.model if isinstance(model, Bf16FirstModel) else model
+
+
+@dataclass
+class RowsModel:
+    """Rows of their own lengths (ROWS-5 .. ROWS-11): one model per row, each the list of
+    that row's own positions. Each row's padding is how much shorter it is than the
+    longest row. A bf16-first batch switches as one, when its longest row is due (ROWS-7):
+    a row's model is due once its offset plus its padding reaches the start. A ring row
+    taken out, or aligned by a merge, keeps its window: its last max_size positions
+    (ROWS-8, ROWS-9)."""
+
+    rows: list[Model]
+    #: The bf16-first batch's start (B16F-1); None for other kinds.
+    start: int | None = None
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(row.offset for row in self.rows)
+
+    @property
+    def left_padding(self) -> tuple[int, ...]:
+        longest = max(self.offsets)
+        return tuple(longest - offset for offset in self.offsets)
+
+    def follow(self, padding: tuple[int, ...], cut: bool) -> None:
+        """Rows padded by `padding` from now on; with `cut`, ring rows keep their window."""
+        for row, pad in zip(self.rows, padding, strict=True):
+            if isinstance(row, Bf16FirstModel) and not row.converted:
+                assert self.start is not None
+                row.start = self.start - pad
+            plain = plain_model(row)
+            if cut and plain.max_size is not None and len(plain.held) > plain.max_size:
+                plain.held = plain.held[-plain.max_size :]
+                plain._memo.clear()
+
+    def trim(self, n: int) -> int:
+        """ROWS-7: every row loses min(n, the shortest row's offset)."""
+        trimmed = min(n, min(self.offsets))
+        for row in self.rows:
+            row.trim(trimmed)
+        return trimmed
+
+    def filter(self, indices: list[int], cut: bool) -> None:
+        """ROWS-8: rows `indices` (repeats are copies), padding no kept row needs dropped."""
+        self.rows = [copy.deepcopy(self.rows[i]) for i in indices]
+        self.follow(self.left_padding, cut)
+
+    def extend(self, row: Model, cut: bool) -> None:
+        """ROWS-9: `row` joins after the others."""
+        self.rows.append(row)
+        self.follow(self.left_padding, cut)

@@ -4,6 +4,7 @@ its reader (and its writer, byte for byte) against them."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -38,13 +39,33 @@ GOLDEN_CACHES: dict[str, tuple[Callable[[ModuleType], Any], int]] = {
 }
 APPENDS = (3, 1, 1)
 METADATA = {"kvspec.vectors": "persistence"}
+#: Batches of rows of their own lengths (ROWS-10, format version 2): per file, the kind of
+#: GOLDEN_CACHES and each row's length, appended at once; the rows merged in order.
+PADDED_CACHES: dict[str, tuple[str, tuple[int, ...]]] = {
+    "padded-affine": ("affine", (2, 5, 3)),
+    "padded-rotating-affine": ("rotating-affine", (5, 2)),
+}
+#: Every golden file's name.
+GOLDEN_FILES = (*GOLDEN_CACHES, *PADDED_CACHES)
 
 
 def golden_cache(family: ModuleType, name: str, from_numpy: Callable[[Any], Any]) -> Any:
-    """The cache of golden file `name` built on `family` after APPENDS of fixed bf16 input."""
-    factory, head_dim = GOLDEN_CACHES[name]
+    """The cache of golden file `name` built on `family` after APPENDS of fixed bf16 input,
+    or the merged rows of a padded batch."""
+    if name in PADDED_CACHES:
+        kind, lengths = PADDED_CACHES[name]
+        rows = importlib.import_module(family.__name__.rsplit(".", 1)[0] + ".rows")
+        return rows.merge([_appended(family, kind, (n,), from_numpy) for n in lengths])
+    return _appended(family, name, APPENDS, from_numpy)
+
+
+def _appended(
+    family: ModuleType, kind: str, lengths: tuple[int, ...], from_numpy: Callable[[Any], Any]
+) -> Any:
+    """A single-row cache of GOLDEN_CACHES' `kind` after appends of `lengths` positions."""
+    factory, head_dim = GOLDEN_CACHES[kind]
     cache = factory(family)
-    for step, length in enumerate(APPENDS):
+    for step, length in enumerate(lengths):
         k, v = random_kv(step, (1, 2, length, head_dim), head_dim, BFLOAT16)
         cache.update_and_fetch(from_numpy(k), from_numpy(v))
     return cache

@@ -23,7 +23,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from kvspec.accelerated.mlx_lm.cache import CacheRecipe, kvspec_cache
 from kvspec.conformance.cache_machine import assert_same_state, random_kv
 from kvspec.conformance.persistence_vectors import (
-    GOLDEN_CACHES,
+    GOLDEN_FILES,
     METADATA,
     golden_bytes,
     golden_cache,
@@ -278,11 +278,16 @@ def _extra_tensor(document: dict, tensors: dict) -> None:
 
 
 def _version(document: dict, tensors: dict) -> None:
-    document["version"] = 2
+    document["version"] = 3
+
+
+def _padding_in_version_1(document: dict, tensors: dict) -> None:
+    document["caches"][_layer(document, "KVCache")]["left_padding"] = [0]
 
 
 TAMPERS = {
-    "format version 2": (_version, "format version 2"),
+    "format version 3": (_version, "format version 3"),
+    "left padding in a version 1 file": (_padding_in_version_1, "needs format version 2"),
     "affine scales of the wrong width": (_affine_scales_cut, "contradict"),
     "affine words of the wrong dtype": (_affine_words_signed, "contradict"),
     "plain values of another dtype": (_plain_values_float16, "contradict"),
@@ -519,7 +524,7 @@ def test_mlx_lm_file_of_other_classes_is_refused(backend) -> None:
             backend.module("persistence").load_mlx_lm_prompt_cache(adapter_path)
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_CACHES))
+@pytest.mark.parametrize("name", sorted(GOLDEN_FILES))
 def test_golden_file(backend, name: str) -> None:
     """docs/vectors/persistence: the reference writes each golden file byte for byte (so
     `tools/golden.py` left none stale), and the backend loads it into the state the

@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.cache_machine import assert_same_state, random_kv
+from kvspec.conformance.cache_machine import assert_same_state, random_kv, run_machine
+from kvspec.conformance.compare import assert_same_bits
 from kvspec.conformance.persistence_vectors import GOLDEN_CACHES
+from kvspec.conformance.rows_machine import RowsMachine, stored_window
 from kvspec.reference import caches as reference
 from kvspec.reference.dtypes import FLOAT_DTYPES
 
@@ -99,7 +101,6 @@ def test_refusals(backend) -> None:
     cases = {
         "one kind": _filled(family, lambda m: m.KVCache(), 1, [3]),
         "one layout": _filled(family, lambda m: m.QuantizedKVCache(32, 8), 1, [3]),
-        "one offset": _filled(family, lambda m: m.QuantizedKVCache(32, 4), 1, [2]),
     }
     for match, other in cases.items():
         with pytest.raises(ValueError, match=match):
@@ -108,6 +109,9 @@ def test_refusals(backend) -> None:
         with pytest.raises(ValueError, match=match):
             rows.extend(affine, other)
         assert_same_state(_Snapshot(before, backend), affine, backend)
+    kept = _filled(family, lambda m: m.RotatingKVCache(4, keep=1), 1, [3])
+    with pytest.raises(ValueError, match="keep 0"):
+        rows.merge([kept, _filled(family, lambda m: m.RotatingKVCache(4, keep=1), 1, [2])])
     head_dims = _filled(family, lambda m: m.QuantizedKVCache(32, 4), 1, [3], head_dim=128)
     with pytest.raises(ValueError, match="one layout"):
         rows.merge([affine, head_dims])
@@ -138,3 +142,211 @@ def test_clones_and_minimum_reusable_offset(backend) -> None:
     assert_same_state(
         _numpy_state_cache(rows.extract_row(caches[0], 0), backend), single[0], backend
     )
+
+
+@st.composite
+def padded_kinds(draw: st.DrawFn):
+    """Every storage kind that holds rows of their own lengths (rings with keep 0,
+    ROWS-5), with its head_dim."""
+    bits = draw(st.sampled_from([2, 3, 4, 8]))
+    max_size = draw(st.integers(1, 6))
+    start = draw(st.sampled_from([0, 3, 6]))
+    kernels = draw(st.sampled_from(["dense", "deferred"]))
+    kinds = {
+        "kv": lambda m: m.KVCache(),
+        "affine": lambda m: m.QuantizedKVCache(32, bits),
+        "rotating": lambda m: m.RotatingKVCache(max_size),
+        "rotating-affine": lambda m: m.RotatingQuantizedKVCache(max_size, 32, bits),
+        "turboquant": lambda m: m.TurboQuantKVCache(8, 4, kernels),
+        "bf16-first-affine": lambda m: m.Bf16FirstQuantizedKVCache(32, bits, start),
+        "bf16-first-rotating-affine": lambda m: m.Bf16FirstRotatingQuantizedKVCache(
+            max_size, 32, bits, start
+        ),
+        "bf16-first-turboquant": lambda m: m.Bf16FirstTurboQuantKVCache(4, 2, start, kernels),
+    }
+    return kinds[draw(st.sampled_from(sorted(kinds)))], 64
+
+
+def test_rows_of_their_own_lengths_machine(backend) -> None:
+    """ROWS-5 .. ROWS-10: merge, appends and reads, trims, filters, extends, files and
+    donor rows of a padded batch, row by row against the models and single caches."""
+    run_machine(backend, padded_kinds(), RowsMachine, max_length=7)
+
+
+def _rows_of(family, factory, lengths, head_dim: int = 64, seed: int = 0):
+    """Single-row caches of `lengths` positions each, float16 input."""
+    caches = []
+    for b, n in enumerate(lengths):
+        k, v = random_kv(seed + b, (1, 2, n, head_dim), head_dim, FLOAT_DTYPES["float16"])
+        cache = factory(family)
+        cache.update_and_fetch(family_array(family, k), family_array(family, v))
+        caches.append(cache)
+    return caches
+
+
+@given(kind=padded_kinds(), lengths=st.lists(st.integers(1, 9), min_size=2, max_size=4))
+def test_merge_then_extract_is_the_identity(backend, kind, lengths) -> None:
+    """ROWS-8, ROWS-9: rows of different lengths merged, then extracted: each row's own
+    fields bit for bit (a ring: its window, oldest first); padding zero fields."""
+    factory, head_dim = kind
+    family, rows = backend.module("caches"), backend.module("rows")
+    singles = _rows_of(family, factory, lengths, head_dim)
+    singles = [c for c in singles if c.signature() == singles[0].signature()]
+    merged = rows.merge(singles)
+    merged.check_invariants()
+    offsets = tuple(c.offset for c in singles)
+    assert merged.row_offsets == offsets
+    assert merged.offset == max(offsets)
+    window = merged.sliding_window
+    for b, single in enumerate(singles):
+        row = rows.extract_row(merged, b)
+        assert row.left_padding == (0,) and row.signature() == single.signature()
+        if window is None:
+            assert_same_state(_numpy_state_cache(single, backend), row, backend)
+            padding = merged.left_padding[b]
+            for array in merged.state().arrays:
+                assert not backend.to_numpy(array)[b, :, :padding].view(np.uint8).any()
+        else:
+            pairs = zip(
+                stored_window(_numpy_state_cache(row, backend).state(), window),
+                stored_window(_numpy_state_cache(single, backend).state(), window),
+                strict=True,
+            )
+            for got, want in pairs:
+                assert_same_bits(got, want, "ring window")
+
+
+def test_padded_batch_edges(backend) -> None:
+    """ROWS-5 .. ROWS-7 by hand: per-row offsets, padding hidden from a decode, trims by
+    the shortest row, filters that drop padding no row needs, a compiled step refused."""
+    family, rows = backend.module("caches"), backend.module("rows")
+    short, long, middle = _rows_of(family, lambda m: m.QuantizedKVCache(32, 4), [1, 4, 2])
+    batch = rows.merge([short, long, middle])
+    assert (batch.offset, batch.left_padding, batch.row_offsets) == (4, (3, 0, 2), (1, 4, 2))
+    k = family_array(family, np.full((3, 2, 1, 64), 0.5, np.float16))
+    queries = family_array(family, np.ones((3, 2, 1, 64), np.float16))
+    together = backend.to_numpy(batch.append_decode(k, k).attend(queries, 0.125))
+    alone = backend.to_numpy(short.append_decode(k[:1], k[:1]).attend(queries[:1], 0.125))
+    np.testing.assert_allclose(together[:1], alone, rtol=1e-3, atol=1e-3)
+    assert batch.trim(5) == 2 and batch.row_offsets == (0, 3, 1)
+    kept = rows.filter_rows(batch, [2, 1])
+    assert (kept.offset, kept.left_padding, kept.row_offsets) == (3, (2, 0), (1, 3))
+    assert rows.filter_rows(batch, [2]).left_padding == (0,)
+    with pytest.raises(ValueError, match="rows of one length"):
+        batch.prepare_decode_step()
+    with pytest.raises(ValueError, match="hold no position"):
+        family.capture_donor_rows(batch)
+
+
+def test_padded_restore_refusals(backend) -> None:
+    """ROWS-5, ROWS-10: inconsistent padding is refused by restore_state, nothing changed."""
+    from dataclasses import replace
+
+    family, rows = backend.module("caches"), backend.module("rows")
+    batch = rows.merge(_rows_of(family, lambda m: m.KVCache(), [1, 3]))
+    state = batch.state()
+    for padding, match in [
+        ((2,), "one count per row"),
+        ((4, 0), "lie in"),
+        ((1, 1), "leave a row"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            batch.restore_state(replace(state, left_padding=padding))
+        assert batch.left_padding == (2, 0)
+    ring = family.RotatingKVCache(4, keep=1)
+    ring.update_and_fetch(*(family_array(family, np.ones((2, 1, 3, 32), np.float16)),) * 2)
+    with pytest.raises(ValueError, match="keep 0"):
+        ring.restore_state(replace(ring.state(), left_padding=(1, 0)))
+    assert ring.left_padding == (0, 0)
+
+
+def test_bf16_first_batch_switches_as_one(backend) -> None:
+    """ROWS-7: a bf16-first batch converts when its longest row is due; the shorter row
+    converts with it, its minimum reusable offset in its own positions."""
+    family, rows = backend.module("caches"), backend.module("rows")
+    factory = lambda m: m.Bf16FirstQuantizedKVCache(32, 4, 5)  # noqa: E731
+    batch = rows.merge(_rows_of(family, factory, [1, 4]))
+    assert not batch.converted
+    k = family_array(family, np.ones((2, 2, 1, 64), np.float16))
+    batch.update_and_fetch(k, k)
+    assert batch.converted and batch.minimum_reusable_offset == 5
+    short = rows.extract_row(batch, 0)
+    assert (short.converted, short.offset, short.minimum_reusable_offset) == (True, 2, 2)
+
+
+def test_padded_batch_files_and_donor_rows(backend, tmp_path) -> None:
+    """ROWS-10: a padded batch saved as format version 2 loads back bit for bit on either
+    backend; donor rows carry per-row offsets and starts, padding first."""
+    import json
+
+    from kvspec.reference import persistence as reference_persistence
+
+    family, rows = backend.module("caches"), backend.module("rows")
+    persistence = backend.module("persistence")
+    batch = rows.merge(_rows_of(family, lambda m: m.RotatingKVCache(3), [2, 5]))
+    assert batch.left_padding == (3, 0)
+    path = tmp_path / "padded.safetensors"
+    persistence.save_caches(path, [batch])
+    header = reference_persistence.read_header(str(path))
+    document = json.loads(header.metadata["kvspec"])
+    assert document["version"] == 2 and document["caches"][0]["left_padding"] == [3, 0]
+    for loader in (persistence, reference_persistence):
+        loaded = loader.load_caches(path).caches[0]
+        assert loaded.left_padding == (3, 0)
+        assert_same_state(_numpy_state_cache(batch, backend), loaded, backend)
+    donor = family.capture_donor_rows(batch)
+    assert (donor.offsets, donor.starts, donor.ends) == ((2, 5), (0, 2), (2, 5))
+    assert donor.keys.shape[2] == 3
+    # DONOR-2: each drafter row attends over its own donor positions only.
+    singles = _rows_of(family, lambda m: m.RotatingKVCache(3), [2, 5])
+    queries = np.random.default_rng(7).standard_normal((2, 4, 3, 64)).astype(np.float16)
+    together = backend.to_numpy(
+        family.capture_donor_attention(batch).attend(family_array(family, queries), 0.125)
+    )
+    for b, single in enumerate(singles):
+        read = family.capture_donor_attention(single)
+        alone = backend.to_numpy(read.attend(family_array(family, queries[b : b + 1]), 0.125))
+        np.testing.assert_allclose(together[b : b + 1], alone, rtol=2e-3, atol=2e-3)
+    (first,) = rows.clone_single_row_state([batch])
+    assert (first.offset, first.left_padding) == (2, (0,))
+
+
+def test_prepared_padding(backend) -> None:
+    """ROWS-11 by hand: a left-padded first append; what cannot be honoured raises
+    ValueError and changes nothing."""
+    family, rows = backend.module("caches"), backend.module("rows")
+    prompt = np.random.default_rng(3).standard_normal((2, 2, 4, 64)).astype(np.float16)
+    k = family_array(family, prompt)
+    cache = family.QuantizedKVCache(32, 4)
+    for bad in ([], [1, 2], [-1, 0]):
+        with pytest.raises(ValueError, match="one count"):
+            cache.prepare(left_padding=bad)
+    with pytest.raises(ValueError, match="keep 0"):
+        family.RotatingKVCache(4, keep=1).prepare(left_padding=[2, 0])
+    cache.prepare(left_padding=[3, 0])
+    for wrong in (k[:1], k[:, :, :2]):
+        with pytest.raises(ValueError, match="prepared left padding"):
+            cache.update_and_fetch(wrong, wrong)
+        assert cache.layout is None and cache.offset == 0
+    queries = family_array(family, np.ones((2, 2, 4, 64), np.float16))
+    out = backend.to_numpy(cache.append_window(k, k).attend(queries, 0.125))
+    assert np.isfinite(out).all()
+    assert (cache.left_padding, cache.row_offsets) == ((3, 0), (1, 4))
+    alone = family.QuantizedKVCache(32, 4)
+    alone.update_and_fetch(k[:1, :, 3:], k[:1, :, 3:])
+    assert_same_state(_numpy_state_cache(alone, backend), rows.extract_row(cache, 0), backend)
+    with pytest.raises(ValueError, match="holding nothing"):
+        cache.prepare(left_padding=[0, 0])
+
+
+def test_restore_drops_prepared_padding(backend) -> None:
+    """ROWS-11: a state restored over a prepared cache replaces the prepared counts too."""
+    family = backend.module("caches")
+    k = family_array(family, np.ones((2, 1, 3, 32), np.float16))
+    for make in (family.KVCache, lambda: family.RotatingKVCache(4)):
+        source, cache = make(), make()
+        source.update_and_fetch(k, k)
+        cache.prepare(left_padding=[2, 0])
+        cache.restore_state(source.state())
+        cache.update_and_fetch(k, k)
+        assert cache.left_padding == (0, 0)

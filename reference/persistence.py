@@ -29,8 +29,11 @@ from kvspec.reference.caches.protocol import Cache, CacheState
 
 #: What the document in a file's metadata names itself (PERSIST-3).
 FORMAT = "kvspec-caches"
-#: The layout version this module writes and the only one it reads (PERSIST-3).
-FORMAT_VERSION = 1
+#: The newest layout version this module writes and reads (PERSIST-3): 2 adds the left
+#: padding of rows of their own lengths (ROWS-5); a file without any is written as 1.
+FORMAT_VERSION = 2
+#: The layout versions this module reads.
+READ_VERSIONS = (1, 2)
 #: The metadata entries: the document and the header digest (PERSIST-3, PERSIST-4).
 DOCUMENT_KEY = "kvspec"
 DIGEST_KEY = "kvspec.header_sha256"
@@ -295,19 +298,22 @@ def write_caches(
                     "sha256": hashlib.sha256(files.stored_bytes(array)).hexdigest(),
                 }
             )
-        entries.append(
-            {
-                "kind": kind,
-                "parameters": params,
-                "signature": cache.signature(),
-                "state_signature": state.signature,
-                "offset": state.offset,
-                "ring_index": state.ring_index,
-                "minimum_reusable_offset": state.minimum_reusable_offset,
-                "arrays": arrays,
-            }
-        )
-    document = {"format": FORMAT, "version": FORMAT_VERSION, "caches": entries, "metadata": user}
+        entry = {
+            "kind": kind,
+            "parameters": params,
+            "signature": cache.signature(),
+            "state_signature": state.signature,
+            "offset": state.offset,
+            "ring_index": state.ring_index,
+            "minimum_reusable_offset": state.minimum_reusable_offset,
+            "arrays": arrays,
+        }
+        if state.left_padding:
+            entry["left_padding"] = list(state.left_padding)
+        entries.append(entry)
+    # Version 1 readers read every file without padded rows (PERSIST-3).
+    version = FORMAT_VERSION if any("left_padding" in entry for entry in entries) else 1
+    document = {"format": FORMAT, "version": version, "caches": entries, "metadata": user}
     header_metadata = {
         DOCUMENT_KEY: json.dumps(document, sort_keys=True, separators=(",", ":")),
         DIGEST_KEY: DIGEST_PLACEHOLDER,
@@ -332,10 +338,10 @@ def read_document(path: str, header: SafetensorsHeader) -> dict[str, Any]:
         raise ValueError(f"{path}: the kvspec document is not JSON ({error})") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ValueError(f"{path}: the kvspec document does not name the format {FORMAT!r}")
-    if document.get("version") != FORMAT_VERSION:
+    if document.get("version") not in READ_VERSIONS:
         raise ValueError(
-            f"{path}: format version {document.get('version')!r}; this reader reads version "
-            f"{FORMAT_VERSION}"
+            f"{path}: format version {document.get('version')!r}; this reader reads versions "
+            f"{READ_VERSIONS}"
         )
     digest = header.metadata.get(DIGEST_KEY, "")
     if (
@@ -384,6 +390,16 @@ def _checked_records(path: str, document: dict, header: SafetensorsHeader) -> li
         for name in ("offset", "minimum_reusable_offset"):
             _field(path, where, record, name, _is_count)
         _field(path, where, record, "ring_index", lambda i: i is None or _is_count(i))
+        if "left_padding" in record:
+            if document["version"] < 2:
+                raise ValueError(f"{path}: {where}: left_padding needs format version 2")
+            _field(
+                path,
+                where,
+                record,
+                "left_padding",
+                lambda p: isinstance(p, list) and bool(p) and all(_is_count(c) for c in p),
+            )
         arrays = _field(path, where, record, "arrays", lambda a: isinstance(a, list))
         leading = set()
         for slot, array in enumerate(arrays):
@@ -435,6 +451,7 @@ def _rebuilt(path: str, layer: int, record: dict, arrays: tuple, files: ArrayFil
                 record["offset"],
                 record["ring_index"],
                 record["minimum_reusable_offset"],
+                tuple(record.get("left_padding", ())),
             )
         )
     except (ValueError, IndexError, TypeError) as error:

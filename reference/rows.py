@@ -1,9 +1,10 @@
-"""Rows of caches: one sequence's row taken out of a batch, rows kept or joined, and
-copies (spec ROWS-1 .. ROWS-4).
+"""Rows of caches: one sequence's row taken out of a batch, rows kept or joined, rows of
+their own lengths left padded, and copies (spec ROWS-1 .. ROWS-10).
 
-Every cache of chapter 5 holds B rows that share one offset, and every codec encodes
-each row on its own, so a row's stored fields are the fields that row would have had in
-a cache of its own. These functions work through states (CACHE-8): a new cache of the
+Every cache of chapter 5 holds B rows that share one buffer offset, and every codec
+encodes each row on its own, so a row's stored fields are the fields that row would have
+had in a cache of its own; rows of different lengths are left padded to the longest
+(ROWS-5). These functions work through states (CACHE-8): a new cache of the
 same kind and parameters (PERSIST-5) restores the rows' arrays. They serve both backends:
 a cache is rebuilt from the caches package its class belongs to.
 """
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from kvspec.reference.caches.bf16_first import Bf16FirstCache
 from kvspec.reference.caches.protocol import Cache, CacheState
+from kvspec.reference.caches.rotating import ring_positions
 from kvspec.reference.persistence import kind_of, parameters
 
 
@@ -33,9 +37,14 @@ def _restored(cache: Cache, state: CacheState) -> Cache:
     return fresh
 
 
+def _storage(cache: Cache) -> Cache:
+    """The storage `cache` holds: itself, or a bf16-first cache's held storage."""
+    return cache.storage if isinstance(cache, Bf16FirstCache) else cache
+
+
 def _xp(cache: Cache) -> Any:
-    """The array namespace of `cache`'s storage (a bf16-first cache holds one)."""
-    return (cache.storage if isinstance(cache, Bf16FirstCache) else cache).xp
+    """The array namespace of `cache`'s storage."""
+    return _storage(cache).xp
 
 
 def _row_count(cache: Cache) -> int:
@@ -45,9 +54,82 @@ def _row_count(cache: Cache) -> int:
     return layout.batch
 
 
+@dataclass(frozen=True)
+class _OwnRow:
+    """One row as a cache of its own would hold it (ROWS-8): its stored rows [1, H, h, *]
+    oldest first, its offset and its minimum reusable offset."""
+
+    arrays: tuple[Any, ...]
+    offset: int
+    minimum_reusable_offset: int
+
+
+def _own_row(state: CacheState, row: int, xp: Any, window: int | None) -> _OwnRow:
+    """ROWS-8: row `row` of `state` without its padding: growable storage's rows from its
+    first position on; a ring's window (`window` = max_size): its last min(row offset,
+    max_size) positions, oldest first."""
+    padding = state.left_padding[row] if state.left_padding else 0
+    rows = tuple(a[row : row + 1] for a in state.arrays)
+    if state.ring_index is None:
+        arrays = tuple(a[:, :, padding:] for a in rows)
+    else:
+        positions = ring_positions(state.offset, state.ring_index, state.arrays[0].shape[2])
+        oldest_first = np.argsort(positions)
+        assert window is not None
+        own = oldest_first[positions[oldest_first] >= padding]
+        kept = own[max(0, own.size - window) :]
+        arrays = tuple(xp.take(a, xp.array(kept), axis=2) for a in rows)
+    reusable = max(0, state.minimum_reusable_offset - padding)
+    return _OwnRow(arrays, state.offset - padding, reusable)
+
+
+def _own_row_state(state: CacheState, row: int, xp: Any, window: int | None) -> CacheState:
+    """ROWS-8: the state of a single-row cache holding row `row` of a padded batch: a
+    ring's rows in temporal order, its ring index after them."""
+    own = _own_row(state, row, xp, window)
+    index = None if state.ring_index is None else own.arrays[0].shape[2]
+    return CacheState(state.signature, own.arrays, own.offset, index, own.minimum_reusable_offset)
+
+
+def _left_padded(rows: Any, length: int, xp: Any) -> Any:
+    """ROWS-9: one row's stored rows [1, H, h, *] after length - h zero rows."""
+    zeros = xp.zeros((*rows.shape[:2], length - rows.shape[2], rows.shape[3]), rows.dtype)
+    return xp.concatenate([zeros, rows], axis=2)
+
+
+def _aligned_state(states: Sequence[CacheState], xp: Any, window: int | None) -> CacheState:
+    """ROWS-9: the rows of `states` left padded to the longest: every row's newest
+    position at the last buffer row, zero fields before a row's oldest, a ring in temporal
+    order with its index after its last row."""
+    own = [
+        _own_row(state, b, xp, window) for state in states for b in range(state.arrays[0].shape[0])
+    ]
+    offset = max(row.offset for row in own)
+    length = max(row.arrays[0].shape[2] for row in own)
+    arrays = tuple(
+        xp.concatenate([_left_padded(rows, length, xp) for rows in slot], axis=0)
+        for slot in zip(*(row.arrays for row in own), strict=True)
+    )
+    padding = tuple(offset - row.offset for row in own)
+    # The shortest prefix every row can reuse, in buffer positions (ROWS-9).
+    reusable = max(
+        (
+            row.minimum_reusable_offset + offset - row.offset
+            for row in own
+            if row.minimum_reusable_offset
+        ),
+        default=0,
+    )
+    index = None if states[0].ring_index is None else length
+    return CacheState(
+        states[0].signature, arrays, offset, index, reusable, padding if any(padding) else ()
+    )
+
+
 def filter_rows(cache: Cache, indices: Sequence[int]) -> Cache:
-    """ROWS-2: a new cache of `cache`'s kind holding its rows `indices`, in that order;
-    ValueError for no index or one out of range. `cache` is unchanged."""
+    """ROWS-2, ROWS-8: a new cache of `cache`'s kind holding its rows `indices`, in that
+    order; padding no kept row needs is dropped. ValueError for no index or one out of
+    range. `cache` is unchanged."""
     rows = _row_count(cache)
     picked = [int(i) for i in indices]
     if not picked:
@@ -57,20 +139,25 @@ def filter_rows(cache: Cache, indices: Sequence[int]) -> Cache:
         raise ValueError(f"rows {beyond} out of range for a cache of {rows} rows")
     state = cache.state()
     xp = _xp(cache)
+    if state.left_padding:
+        window = cache.sliding_window
+        return merge([_restored(cache, _own_row_state(state, i, xp, window)) for i in picked])
     arrays = tuple(xp.take(a, xp.array(picked), axis=0) for a in state.arrays)
     return _restored(cache, replace(state, arrays=arrays))
 
 
 def extract_row(cache: Cache, row: int) -> Cache:
-    """ROWS-2: a new single-row cache holding row `row` of `cache`: bit for bit the cache
-    that row would have been on its own."""
+    """ROWS-2, ROWS-8: a new single-row cache holding row `row` of `cache`: bit for bit the
+    cache that row would have been on its own (a row of a padded ring: its window in
+    temporal order)."""
     return filter_rows(cache, [row])
 
 
 def merge(caches: Sequence[Cache]) -> Cache:
-    """ROWS-3: a new cache whose rows are the rows of `caches`, in order. The caches must
-    be of one kind, parameters and signature and share offset, ring index, minimum
-    reusable offset and layout but the batch; ValueError names the first difference."""
+    """ROWS-3, ROWS-9: a new cache whose rows are the rows of `caches`, in order. The caches
+    must be of one kind, parameters and signature and share the layout but the batch;
+    rows of one offset, ring index and buffer length are joined as they lie, others left
+    padded to the longest (rings with keep 0 only). ValueError names the first difference."""
     caches = list(caches)
     if not caches:
         raise ValueError("merge takes at least one cache")
@@ -89,20 +176,22 @@ def merge(caches: Sequence[Cache]) -> Cache:
         if replace(cache.layout, batch=0) != replace(first.layout, batch=0):
             raise ValueError(f"merge joins caches of one layout: {first.layout} and {cache.layout}")
     states = [cache.state() for cache in caches]
-    positions = {(s.offset, s.ring_index, s.minimum_reusable_offset) for s in states}
-    if len(positions) > 1:
-        raise ValueError(
-            "merge joins rows of one offset, ring index and minimum reusable offset (rows of "
-            f"their own lengths are not supported); got {sorted(positions, key=str)}"
+    xp = _xp(first)
+    lying = {(s.offset, s.ring_index, s.arrays[0].shape[2], s.left_padding) for s in states}
+    if len(lying) == 1 and not states[0].left_padding:
+        arrays = tuple(
+            xp.concatenate(list(slot), axis=0)
+            for slot in zip(*(s.arrays for s in states), strict=True)
         )
-    lengths = {s.arrays[0].shape[2] for s in states}
-    if len(lengths) > 1:
-        raise ValueError(f"merge joins rings of one buffer length, got {sorted(lengths)}")
-    arrays = tuple(
-        _xp(first).concatenate(list(slot), axis=0)
-        for slot in zip(*(s.arrays for s in states), strict=True)
-    )
-    return _restored(first, replace(states[0], arrays=arrays))
+        reusable = max(s.minimum_reusable_offset for s in states)
+        return _restored(first, replace(states[0], arrays=arrays, minimum_reusable_offset=reusable))
+    keep = getattr(_storage(first), "keep", 0)
+    if keep:
+        raise ValueError(
+            f"merge joins rings keeping {keep} positions only at one offset, ring index and "
+            f"buffer length (rows of their own lengths need keep 0); got {sorted(lying, key=str)}"
+        )
+    return _restored(first, _aligned_state(states, xp, first.sliding_window))
 
 
 def extend(cache: Cache, other: Cache) -> None:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvspec.conformance.persistence_vectors import GOLDEN_CACHES, golden_bytes, golden_path
+from kvspec.conformance.persistence_vectors import GOLDEN_FILES, golden_bytes, golden_path
 from kvspec.conformance.vectors import BUILDERS, render, vector_path
 
 
@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown vector files {unknown}; expected some of {sorted(BUILDERS)}")
     files = [(vector_path(n), render(BUILDERS[n]()).encode()) for n in args.names or BUILDERS]
     if not args.names:
-        files += [(golden_path(name), golden_bytes(name)) for name in GOLDEN_CACHES]
+        files += [(golden_path(name), golden_bytes(name)) for name in GOLDEN_FILES]
     stale = []
     for path, data in files:
         if args.check:

@@ -61,6 +61,7 @@ DECODE = "conformance/test_decode_step.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
 RING_MASKS = "test_ring_masks_against_positions_written"
+ROWS = "conformance/test_rows.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -126,9 +127,9 @@ CATALOGUE = (
     ),
     Mutant(
         "trim-past-offset",
-        "reference/caches/kv.py",
-        "        trimmed = min(n, self.offset)\n",
-        "        trimmed = n if n <= self.offset else 0\n",
+        "reference/caches/storage.py",
+        "        return min(n, self.offset - max(self._left_padding, default=0))\n",
+        "        return n if n <= self.offset else 0\n",
         "trim(n) with n > offset trims nothing (CACHE-5)",
         (f"{KV}::test_kv_cache_machine",),
     ),
@@ -397,6 +398,55 @@ CATALOGUE = (
         "            field\n",
         "the MLX write-slot read multiplies hidden rows' values by zero weights (COMPILE-4)",
         (f"{COMPILED}::test_stale_rows_reach_no_output",),
+    ),
+    # -- rows of their own lengths (ROWS-5 .. ROWS-10) ---------------------------------
+    Mutant(
+        "rows-padding-visible",
+        "reference/caches/storage.py",
+        "        if not self._left_padding:\n            return mask\n",
+        "        if self._left_padding or not self._left_padding:\n            return mask\n",
+        "reads of a padded batch show each row its padding (ROWS-6)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
+        "rows-ring-positions-unwrapped",
+        "reference/caches/rotating.py",
+        "    wrapped = (rows >= ring_index) & (ring_index < offset)\n",
+        "    wrapped = (rows >= ring_index) & (ring_index < 0)\n",
+        "a wrapped ring's rows taken as in temporal order for padding and extract (ROWS-6, ROWS-8)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
+        "rows-trim-past-shortest",
+        "reference/caches/storage.py",
+        "        return min(n, self.offset - max(self._left_padding, default=0))\n",
+        "        return min(n, self.offset)\n",
+        "a padded batch trims past its shortest row (ROWS-7)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine", f"{ROWS}::test_padded_batch_edges"),
+    ),
+    Mutant(
+        "rows-merge-pads-right",
+        "reference/rows.py",
+        "    return xp.concatenate([zeros, rows], axis=2)\n",
+        "    return xp.concatenate([rows, zeros], axis=2)\n",
+        "merge pads the shorter rows after their positions, not before (ROWS-9)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
+        "rows-prepared-padding-ignored",
+        "reference/caches/storage.py",
+        "        if self._prepared_padding:\n            self._left_padding",
+        "        if not self._prepared_padding:\n            self._left_padding",
+        "a left-padded first append forgets its prepared padding (ROWS-11)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    Mutant(
+        "rows-donor-starts-unpadded",
+        "reference/caches/donor.py",
+        "    starts = tuple(row_offset - min(T, row_offset) for row_offset in offsets)\n",
+        "    starts = tuple(row_offset - T for row_offset in offsets)\n",
+        "donor rows of a padded batch start every row T positions back (ROWS-10, DONOR-1)",
+        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
     ),
 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from kvspec.accelerated.caches.protocol import Mask
 from kvspec.reference.caches import masks
@@ -30,3 +31,9 @@ def rotating_make_mask(
 ) -> Mask:
     """MASK-3."""
     return _on_mlx(masks.rotating_make_mask(n, offset, max_size, keep, ring_index, window_size))
+
+
+def padded_mask(mask: Mask, n: int, *positions: np.ndarray | None) -> mx.array:
+    """ROWS-6: bool [B, 1, n, T]; `positions` as the reference takes them (the keys', the
+    rows' left padding, the queries')."""
+    return mx.array(masks.padded_mask(mask, n, *positions))

@@ -154,8 +154,9 @@ class ReadMethods(reads.ReadMethods):
 
     def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
         """A read without a mask is a decode read (READ-2): append, then READ-7's read of
-        the stored rows, decoded only if its attention needs them."""
-        if mask is not None:
+        the stored rows, decoded only if its attention needs them. Rows of their own
+        lengths read through their padding mask (ROWS-6)."""
+        if mask is not None or self._left_padding:
             return super().append_and_read(k, v, mask)
         self._append(k, v)
         assert self._fields is not None and self.layout is not None

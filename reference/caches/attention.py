@@ -27,6 +27,9 @@ def attention(
         raise ValueError(f"query heads {Hq} are not a multiple of key heads {Hk}")
     group = Hq // Hk
     visible = mask_matrix(mask, N, T)
+    if visible.ndim == 4:
+        # Rows of their own lengths (ROWS-6): [B, 1, N, T] over the query-head group axis.
+        visible = visible[:, :, None]
     if not np.all(np.any(visible, axis=-1)):
         raise ValueError("a query sees no key under this mask")
     q = queries.astype(np.float64).reshape(B, Hk, group, N, D)

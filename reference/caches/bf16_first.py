@@ -104,6 +104,14 @@ class Bf16FirstCache(Cache[A]):
         return self.storage.ring_index
 
     @property
+    def left_padding(self) -> tuple[int, ...]:
+        return self.storage.left_padding
+
+    def prepare(self, *, left_padding: Sequence[int]) -> None:
+        """ROWS-11: the held storage's."""
+        self.storage.prepare(left_padding=left_padding)
+
+    @property
     def sliding_window(self) -> int | None:
         return self.storage.sliding_window
 

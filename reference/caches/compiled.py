@@ -112,6 +112,11 @@ class DecodeStepMethods:
         step 1; RING-2 steps 1 .. 3), held apart from the cache; nothing written."""
         if self._fields is None:
             raise ValueError("a compiled decode step needs a cache holding a layout: prefill first")
+        if self._left_padding:
+            raise ValueError(
+                "a compiled decode step takes rows of one length; this batch has left "
+                f"padding {self._left_padding} (ROWS-6)"
+            )
         room = self._decode_room()
         self._prepared = (room, (self._fields, self.offset, self.ring_index))
         return room.plan

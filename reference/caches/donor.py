@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvspec.reference.caches.bf16_first import Bf16FirstCache
 from kvspec.reference.caches.protocol import Cache, Read
 from kvspec.reference.caches.rotating import RingStorage
@@ -45,14 +47,24 @@ def capture_donor_rows(cache: Cache) -> DonorRows:
                 f"(offset {offset} > max_size {storage.max_size}); donor rows are one span"
             )
         keys, values = keys[:, :, -held:], values[:, :, -held:]
-    rows = keys.shape[0]
+    # Rows of their own lengths (ROWS-10): row b's positions are the last of the T held.
     T = keys.shape[2]
-    return DonorRows(keys, values, (offset,) * rows, (offset - T,) * rows, (offset,) * rows)
+    offsets = storage.row_offsets
+    empty = [b for b, row_offset in enumerate(offsets) if row_offset == 0]
+    if empty:
+        raise ValueError(f"donor rows of rows {empty}, which hold no position (all trimmed)")
+    starts = tuple(row_offset - min(T, row_offset) for row_offset in offsets)
+    return DonorRows(keys, values, offsets, starts, offsets)
 
 
 def capture_donor_attention(cache: Cache) -> Read:
-    """DONOR-2: the read a drafter attends with: its queries see every donor row, no mask
-    (READ-1)."""
+    """DONOR-2: the read a drafter attends with: its queries see every donor position of
+    their row, no other mask (READ-1); a row's padding is hidden (ROWS-10)."""
     rows = capture_donor_rows(cache)
     storage = cache.storage if isinstance(cache, Bf16FirstCache) else cache
-    return storage.dense_read(rows.keys, rows.values, None)
+    if not any(storage.left_padding):
+        return storage.dense_read(rows.keys, rows.values, None)
+    T = rows.keys.shape[2]
+    positions = np.arange(storage.offset - T, storage.offset)
+    mask = storage.masks.padded_mask(None, 1, positions, np.array(storage.left_padding))
+    return storage.dense_read(rows.keys, rows.values, mask)

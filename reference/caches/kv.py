@@ -110,10 +110,9 @@ class GrowingStorage(FieldStorage):
         return True
 
     def trim(self, n: int) -> int:
-        """Lower the offset by min(n, offset); stored rows stay until overwritten (CACHE-5)."""
-        if n < 0:
-            raise ValueError(f"cannot trim a negative count {n}")
-        trimmed = min(n, self.offset)
+        """Lower the offset by min(n, offset), at most the shortest row's positions (ROWS-7);
+        stored rows stay until overwritten (CACHE-5)."""
+        trimmed = self._trimmed_count(n)
         self.offset -= trimmed
         return trimmed
 
@@ -126,7 +125,14 @@ class GrowingStorage(FieldStorage):
         recorded deferred failure (DEFER-3)."""
         self.check()
         arrays = () if self._fields is None else self._live()
-        return CacheState(self.signature(), arrays, self.offset, None, self.minimum_reusable_offset)
+        return CacheState(
+            self.signature(),
+            arrays,
+            self.offset,
+            None,
+            self.minimum_reusable_offset,
+            self._left_padding,
+        )
 
     def restore_state(self, state: CacheState[np.ndarray]) -> None:
         """CACHE-8: adopt fields of `offset` rows; capacity becomes the offset."""
@@ -141,20 +147,24 @@ class GrowingStorage(FieldStorage):
             layout = self._layout_of(state.arrays)
         elif state.offset != 0:
             raise ValueError("a state without arrays must have offset 0")
+        padding = self._checked_padding(state, layout.batch if layout else None)
         self._fields = tuple(self.xp.array(a) for a in state.arrays) if state.arrays else None
         self._layout = layout
         self.offset = state.offset
         self.minimum_reusable_offset = state.minimum_reusable_offset
         self._failure = 0
+        self._left_padding = padding
+        self._prepared_padding = ()
 
     def check_invariants(self) -> None:
-        """CACHE-3 invariants."""
+        """CACHE-3 invariants, and ROWS-5's."""
         if self._fields is None:
             require(self.offset == 0 and self._layout is None, "empty storage holds positions")
             return
         require(0 <= self.offset <= self.capacity, f"offset {self.offset} > capacity")
         for field in self._fields:
             require(field.shape[:3] == self._fields[0].shape[:3], "fields disagree on B, H, T")
+        self._check_padding_invariants()
 
 
 class KVCache(PlainFields, GrowingStorage):
@@ -175,8 +185,7 @@ class KVCache(PlainFields, GrowingStorage):
         if window is not None:
             assert self._layout is not None
             target.adopt_encoded(*window, self._layout)
-        target.offset = self.offset
-        target.minimum_reusable_offset = self.minimum_reusable_offset
+        target.carry_positions(self)
         self.release()
         return target
 

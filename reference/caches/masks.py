@@ -73,7 +73,8 @@ def _held_positions(n: int, offset: int, max_size: int, keep: int, ring_index: i
 
 def mask_matrix(mask: Mask, n: int, t: int) -> np.ndarray:
     """Any mask as a bool array [n, t] (MASK-1): None is all visible, "causal" aligns the
-    last query with the last key, an array of shape [t] or [n, t] broadcasts."""
+    last query with the last key, an array of shape [t] or [n, t] broadcasts; a mask of
+    rows of their own lengths, [B, 1, n or 1, t], gives [B, 1, n, t] (ROWS-6)."""
     if mask is None:
         return np.ones((n, t), dtype=bool)
     if isinstance(mask, str):
@@ -83,6 +84,31 @@ def mask_matrix(mask: Mask, n: int, t: int) -> np.ndarray:
     visible = np.asarray(mask)
     if visible.dtype != np.bool_:
         raise ValueError(f"mask array must be bool, got {visible.dtype}")
+    if visible.ndim == 4 and visible.shape[1] == 1:
+        return np.broadcast_to(visible, (visible.shape[0], 1, n, t))
     if visible.ndim > 2:
-        raise ValueError(f"mask array must be [T] or [N, T], got shape {visible.shape}")
+        raise ValueError(
+            f"mask array must be [T], [N, T] or [B, 1, N, T], got shape {visible.shape}"
+        )
     return np.broadcast_to(visible, (n, t))
+
+
+def padded_mask(
+    mask: Mask,
+    n: int,
+    positions: np.ndarray,
+    left_padding: np.ndarray,
+    query_positions: np.ndarray | None = None,
+) -> np.ndarray:
+    """ROWS-6: bool [B, 1, n, T] for a batch whose row b starts at buffer position
+    left_padding[b]: `mask` over keys at buffer `positions` [T], and each row's keys before
+    its first position hidden from its queries. A query at buffer `query_positions[i]`
+    before its row's first position (a padded prompt, ROWS-11) sees only its own key."""
+    shared = mask_matrix(mask, n, positions.size)
+    own = positions[None, :] >= left_padding[:, None]
+    visible = shared[None, None] & own[:, None, None, :]
+    if query_positions is None:
+        return visible
+    padding_query = query_positions[None, :] < left_padding[:, None]
+    itself = query_positions[:, None] == positions[None, :]
+    return visible | (padding_query[:, None, :, None] & itself[None, None])

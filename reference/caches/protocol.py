@@ -8,6 +8,7 @@ backend answers the same questions in the same words.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -64,6 +65,8 @@ class CacheState(Generic[A]):
     offset: positions appended and not trimmed.
     ring_index: the ring's write index (rotating caches), else None.
     minimum_reusable_offset: the shortest prefix a caller may reuse (B16F-4).
+    left_padding: per row, the leading buffer positions that are not the row's own (ROWS-5);
+        empty when every row starts at position 0.
     """
 
     signature: str
@@ -71,6 +74,7 @@ class CacheState(Generic[A]):
     offset: int
     ring_index: int | None = None
     minimum_reusable_offset: int = 0
+    left_padding: tuple[int, ...] = ()
 
 
 class Read(Protocol[A]):
@@ -96,6 +100,23 @@ class Cache(ABC, Generic[A]):
     @abstractmethod
     def ring_index(self) -> int | None:
         """The ring's write index (RING-1); None for caches that are not rings."""
+
+    @property
+    @abstractmethod
+    def left_padding(self) -> tuple[int, ...]:
+        """Per row, the leading buffer positions that are not the row's own (ROWS-5): B
+        zeros unless rows of different lengths were merged; empty while nothing is stored."""
+
+    @abstractmethod
+    def prepare(self, *, left_padding: Sequence[int]) -> None:
+        """Row b's first `left_padding[b]` positions of the first append are padding
+        (ROWS-11; mlx-lm's `prepare`)."""
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """Per row, the positions that row holds: offset - left_padding (ROWS-5; mlx-lm's
+        per-row `offset`)."""
+        return tuple(self.offset - padding for padding in self.left_padding)
 
     @property
     @abstractmethod

@@ -89,7 +89,12 @@ class ReadMethods(Cache[np.ndarray]):
         """Append, then what attention sees of the fetched window under `mask` (READ-1).
         TurboQuant's deferred kernels read rotated values instead (TQC-4)."""
         keys, values = self.update_and_fetch(k, v)
-        return self.dense_read(keys, values, mask)
+        return self.dense_read(keys, values, self._rows_mask(mask, k.shape[2], keys.shape[2]))
+
+    def _rows_mask(self, mask: Mask, n: int, t: int, appended: bool = True) -> Mask:
+        """`mask` for `n` queries over `t` keys with each row's left padding hidden (ROWS-6);
+        storage with padded rows says how. `appended`: the queries are the append's."""
+        return mask
 
     def append_decode(self, k: np.ndarray, v: np.ndarray) -> Read:
         """Append one position; its query sees the whole fetched window, no mask (READ-2).
@@ -118,7 +123,8 @@ class ReadMethods(Cache[np.ndarray]):
             return self.dense_read(k, v, None)
         keys = self.xp.concatenate([stored[0], k], axis=2)
         values = self.xp.concatenate([stored[1], v], axis=2)
-        return self.dense_read(keys, values, None)
+        # One mask row for any number of queries: only padding is hidden (ROWS-6).
+        return self.dense_read(keys, values, self._rows_mask(None, 1, keys.shape[2], False))
 
     def _check_first_window(
         self, k: np.ndarray, v: np.ndarray, bidirectional: np.ndarray, read: str

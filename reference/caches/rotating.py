@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,15 @@ from kvspec.reference.caches.storage import Fields, FieldStorage, PlainFields
 
 if TYPE_CHECKING:
     from kvspec.reference.caches.rotating_quantized import RotatingQuantizedKVCache
+
+
+def ring_positions(offset: int, ring_index: int, length: int) -> np.ndarray:
+    """ROWS-6: the position each live row of a ring with keep 0 holds, rows 0 ..
+    min(offset, length) - 1 in ring order (RING-4): the newest at row ring_index - 1, the
+    rows from ring_index on older once the ring wrapped (ring_index < offset)."""
+    rows = np.arange(min(offset, length))
+    wrapped = (rows >= ring_index) & (ring_index < offset)
+    return offset - ring_index + rows - np.where(wrapped, length, 0)
 
 
 class RingStorage(FieldStorage):
@@ -171,7 +181,8 @@ class RingStorage(FieldStorage):
         return self.offset < self.max_size
 
     def trim(self, n: int) -> int:
-        """RING-5: lower offset and ring index by min(n, offset)."""
+        """RING-5: lower offset and ring index by min(n, offset), at most the shortest
+        row's positions (ROWS-7)."""
         if n < 0:
             raise ValueError(f"cannot trim a negative count {n}")
         if not self.is_trimmable():
@@ -179,10 +190,24 @@ class RingStorage(FieldStorage):
                 f"a ring holding offset {self.offset} >= max_size {self.max_size} has evicted "
                 "positions and cannot be trimmed"
             )
-        trimmed = min(n, self.offset)
+        trimmed = self._trimmed_count(n)
         self.offset -= trimmed
         self._index -= trimmed
         return trimmed
+
+    def prepare(self, *, left_padding: Sequence[int]) -> None:
+        """ROWS-11; a ring pads rows only with keep 0 (ROWS-5)."""
+        if self.keep and any(left_padding):
+            raise ValueError(
+                f"rows of their own lengths need a ring with keep 0, not {self.keep} (ROWS-5)"
+            )
+        super().prepare(left_padding=left_padding)
+
+    def _buffer_positions(self, count: int) -> np.ndarray:
+        """ROWS-6: the live rows' positions in ring order, then a block's after them."""
+        live = ring_positions(self.offset, self._index, self.length)
+        block = self.offset + np.arange(count - live.size)
+        return np.concatenate([live, block])
 
     def make_mask(self, n: int, window_size: int | None) -> Mask:
         """MASK-3."""
@@ -196,7 +221,12 @@ class RingStorage(FieldStorage):
         self.check()
         arrays = () if self._fields is None else tuple(self.xp.array(f) for f in self._fields)
         return CacheState(
-            self.signature(), arrays, self.offset, self._index, self.minimum_reusable_offset
+            self.signature(),
+            arrays,
+            self.offset,
+            self._index,
+            self.minimum_reusable_offset,
+            self._left_padding,
         )
 
     def restore_state(self, state: CacheState[np.ndarray]) -> None:
@@ -210,12 +240,19 @@ class RingStorage(FieldStorage):
         layout = self._layout_of(state.arrays) if state.arrays else None
         if not state.arrays and state.offset != 0:
             raise ValueError("a state without arrays must have offset 0")
+        padding = self._checked_padding(state, layout.batch if layout else None)
+        if padding and self.keep:
+            raise ValueError(
+                f"rows of their own lengths need a ring with keep 0, not {self.keep} (ROWS-5)"
+            )
         self._fields = tuple(self.xp.array(a) for a in state.arrays) if state.arrays else None
         self._layout = layout
         self.offset = state.offset
         self._index = index
         self.minimum_reusable_offset = state.minimum_reusable_offset
         self._failure = 0
+        self._left_padding = padding
+        self._prepared_padding = ()
 
     def release(self) -> None:
         """Back to the constructed state, ring index 0 included (CACHE-9)."""
@@ -223,7 +260,7 @@ class RingStorage(FieldStorage):
         self._index = 0
 
     def check_invariants(self) -> None:
-        """RING-1 invariants."""
+        """RING-1 invariants, and ROWS-5's."""
         if self._fields is None:
             require(self.offset == 0 and self._index == 0, "empty ring holds positions")
             return
@@ -238,6 +275,8 @@ class RingStorage(FieldStorage):
             require(self._index == T, f"ring index {self._index} != length {T} > max_size")
         for field in self._fields:
             require(field.shape[:3] == self._fields[0].shape[:3], "fields disagree on B, H, T")
+        self._check_padding_invariants()
+        require(not (self._left_padding and self.keep), "a padded ring keeps positions")
 
 
 class RotatingKVCache(PlainFields, RingStorage):
@@ -259,9 +298,8 @@ class RotatingKVCache(PlainFields, RingStorage):
         if self._fields is not None:
             assert self._layout is not None
             target.adopt_encoded(*self._fields, self._layout)
-        target.offset = self.offset
+        target.carry_positions(self)
         target._index = self._index
-        target.minimum_reusable_offset = self.minimum_reusable_offset
         self.release()
         return target
 

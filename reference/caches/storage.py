@@ -5,14 +5,18 @@ and `PlainFields`, the hooks of storage that keeps keys and values as given."""
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvspec.reference.caches.compiled import DecodeStepMethods
 from kvspec.reference.caches.protocol import (
+    CacheState,
     KvLayout,
+    Mask,
     check_checks,
     kv_layout,
+    require,
     require_same_layout,
 )
 from kvspec.reference.caches.reads import ReadMethods
@@ -39,6 +43,10 @@ class FieldStorage(DecodeStepMethods, ReadMethods):
         self._fields: Fields | None = None
         self._layout: KvLayout | None = None
         self._failure = 0
+        # Empty while every row starts at buffer position 0 (ROWS-5).
+        self._left_padding: tuple[int, ...] = ()
+        # Padding `prepare` set for the first append (ROWS-11).
+        self._prepared_padding: tuple[int, ...] = ()
 
     @abstractmethod
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
@@ -74,16 +82,103 @@ class FieldStorage(DecodeStepMethods, ReadMethods):
     def layout(self) -> KvLayout | None:
         return self._layout
 
+    @property
+    def left_padding(self) -> tuple[int, ...]:
+        """ROWS-5: B zeros unless rows of their own lengths were merged; () while empty."""
+        if self._layout is None:
+            return ()
+        return self._left_padding or (0,) * self._layout.batch
+
+    def _trimmed_count(self, n: int) -> int:
+        """CACHE-5, ROWS-7: how many positions `trim(n)` drops from every row: n, at most
+        the positions of the shortest row."""
+        if n < 0:
+            raise ValueError(f"cannot trim a negative count {n}")
+        return min(n, self.offset - max(self._left_padding, default=0))
+
+    def _buffer_positions(self, count: int) -> np.ndarray:
+        """ROWS-6: the buffer position of each of the first `count` rows a read sees: the
+        stored rows it fetched, then a block that is not appended (READ-5)."""
+        return np.arange(count)
+
+    def _rows_mask(self, mask: Mask, n: int, t: int, appended: bool = True) -> Mask:
+        """ROWS-6: `mask` for `n` queries over `t` keys, and each row's padding hidden from
+        that row's queries; `mask` itself while no row is padded. The queries of an append
+        are its positions, the last `n` (ROWS-11)."""
+        if not self._left_padding:
+            return mask
+        queries = np.arange(self.offset - n, self.offset) if appended else None
+        return self.masks.padded_mask(
+            mask, n, self._buffer_positions(t), np.array(self._left_padding), queries
+        )
+
+    def prepare(self, *, left_padding: Sequence[int]) -> None:
+        """ROWS-11 (mlx-lm's `prepare(left_padding=...)`): the first append brings a
+        left-padded prompt per row; row b's first `left_padding[b]` positions are padding.
+        Only on a cache holding nothing; ValueError, nothing changed, otherwise."""
+        padding = tuple(int(p) for p in left_padding)
+        if self._fields is not None:
+            raise ValueError("left padding can only be prepared on a cache holding nothing")
+        if not padding or min(padding) != 0 or any(p < 0 for p in padding):
+            raise ValueError(
+                f"left padding {padding} must be one count >= 0 per row and leave a row with none"
+            )
+        self._prepared_padding = padding if any(padding) else ()
+
+    def _checked_padding(self, state: CacheState, arrays_rows: int | None) -> tuple[int, ...]:
+        """ROWS-5: a state's left padding checked against its arrays (rows, offset), as
+        stored: () for no padded row; ValueError, nothing changed, if inconsistent."""
+        padding = tuple(state.left_padding)
+        if not padding:
+            return ()
+        if arrays_rows is None or len(padding) != arrays_rows:
+            raise ValueError(f"left padding {padding} does not give one count per row")
+        if any(not 0 <= p <= state.offset for p in padding) or min(padding) != 0:
+            raise ValueError(
+                f"left padding {padding} must lie in [0, offset={state.offset}] and leave a "
+                "row with none"
+            )
+        return padding if any(padding) else ()
+
+    def _check_padding_invariants(self) -> None:
+        """ROWS-5 invariants: one count per row, each at most the offset, one row unpadded."""
+        if not self._left_padding:
+            return
+        assert self._layout is not None
+        padding = self._left_padding
+        require(len(padding) == self._layout.batch, f"left padding {padding} is not one per row")
+        require(min(padding) == 0, f"left padding {padding} leaves no row unpadded")
+        require(max(padding) <= self.offset, f"left padding {padding} exceeds the offset")
+
+    def carry_positions(self, source: FieldStorage) -> None:
+        """A conversion's target takes its source's offset, minimum reusable offset and
+        left padding (CACHE-9, ROWS-5)."""
+        self.offset = source.offset
+        self.minimum_reusable_offset = source.minimum_reusable_offset
+        self._left_padding = source._left_padding
+
     def _append_layout(self, k: np.ndarray, v: np.ndarray) -> KvLayout:
-        """The layout an append of `k`, `v` fixes (CACHE-2)."""
-        return kv_layout(k, v, self.dtype_name(k.dtype))[0]
+        """The layout an append of `k`, `v` fixes (CACHE-2); a prepared padding must fit it
+        (ROWS-11)."""
+        layout, length = kv_layout(k, v, self.dtype_name(k.dtype))
+        padding = self._prepared_padding
+        if padding and (len(padding) != layout.batch or max(padding) > length):
+            raise ValueError(
+                f"the prepared left padding {padding} needs {len(padding)} rows of at least "
+                f"{max(padding)} positions, got {layout.batch} rows of {length}"
+            )
+        return layout
 
     def _checked(self, k: np.ndarray, v: np.ndarray) -> tuple[KvLayout, Fields]:
         """The layout and fields of an append, checked as `checks` says (CACHE-2, DEFER-3);
         deferred failures are recorded, to be raised by `check()`."""
         layout = self._append_layout(k, v)
         require_same_layout(self._layout, layout)
-        return layout, self._encode_recorded(k, v)
+        fields = self._encode_recorded(k, v)
+        # Nothing after the encode raises: the prepared padding is the batch's (ROWS-11).
+        if self._prepared_padding:
+            self._left_padding, self._prepared_padding = self._prepared_padding, ()
+        return layout, fields
 
     def _encode_recorded(self, k: np.ndarray, v: np.ndarray) -> Fields:
         if self.checks == "eager":
@@ -141,6 +236,8 @@ class FieldStorage(DecodeStepMethods, ReadMethods):
         self.offset = 0
         self.minimum_reusable_offset = 0
         self._failure = 0
+        self._left_padding = ()
+        self._prepared_padding = ()
 
 
 class PlainFields:

@@ -131,7 +131,7 @@ class TurboQuantKVCache(GrowingStorage):
         if self.kernels == "dense":
             return super().append_and_read(k, v, mask)
         keys, rotated = self.update_and_fetch_deferred_v(k, v)
-        return self.deferred_read(keys, rotated, mask)
+        return self.deferred_read(keys, rotated, self._rows_mask(mask, k.shape[2], keys.shape[2]))
 
     def _graph_parameters(self) -> tuple[str, str]:
         """COMPILE-3: the kernels decide the read the step traces (TQC-4)."""
@@ -176,8 +176,7 @@ class TurboQuantKVCache(GrowingStorage):
         if window is not None:
             assert cache.layout is not None
             target.adopt_encoded(*window, replace(cache.layout, dtype=READ_DTYPE))
-        target.offset = cache.offset
-        target.minimum_reusable_offset = cache.minimum_reusable_offset
+        target.carry_positions(cache)
         cache.release()
         return target
 
