@@ -429,6 +429,7 @@ class RowsModel:
             plain = plain_model(row)
             if cut and plain.max_size is not None and len(plain.held) > plain.max_size:
                 plain.held = plain.held[-plain.max_size :]
+                plain.positions = plain.positions[-plain.max_size :]
                 plain._memo.clear()
 
     def trim(self, n: int) -> int:
