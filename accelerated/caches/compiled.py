@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from kvspec.reference.caches import compiled
 from kvspec.reference.caches.compiled import (
@@ -44,15 +43,6 @@ class CompiledDecode(compiled.CompiledDecode):
     @staticmethod
     def compile_graph(graph: Callable[..., Any]) -> Callable[..., Any]:
         return mx.compile(graph)
-
-    @staticmethod
-    def after_reads(step_outputs: list[list[mx.array]], outputs: Any) -> list[list[mx.array]]:
-        """COMPILE-5's writes made to wait for the step's outputs: when a row is written, no
-        read still holds the buffer, so MLX writes it in place instead of copying it."""
-        reads = [array for _, array in tree_flatten(outputs)]
-        if not reads:
-            return step_outputs
-        return [list(mx.depends(fields, reads)) if fields else fields for fields in step_outputs]
 
 
 def compile_decode(step_fn: Callable[..., Any], caches: Sequence[Any]) -> CompiledDecode:

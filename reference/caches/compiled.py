@@ -279,18 +279,11 @@ class CompiledDecode:
                 del self.graphs[next(iter(self.graphs))]
             self.graphs[key] = self.compile_graph(self._graph(slots))
         outputs, step_outputs = self.graphs[key](args, inputs)
-        step_outputs = self.after_reads(step_outputs, outputs)
         stored = [
             cache.commit_decode_step(slot, outs)
             for cache, slot, outs in zip(self.caches, slots, step_outputs, strict=True)
         ]
         return outputs, stored
-
-    @staticmethod
-    def after_reads(step_outputs: list[list[Any]], outputs: Any) -> list[list[Any]]:
-        """The new positions' fields, to be written once the step's reads have run (COMPILE-5);
-        NumPy has run them already."""
-        return step_outputs
 
     def _graph(self, slots: Sequence[DecodeSlot]) -> Callable[..., Any]:
         """The step as a function of (args, inputs): traces stand in for the caches."""
