@@ -300,7 +300,9 @@ def compiled_step(
         return [trace.append_decode(k, v).attend(q, scale) for trace in traces]
 
     step = compile_decode(step_fn, layer_caches)
-    return lambda: step(k, v, q)
+    # The outputs alone, as a decode loop evaluates them: the stored buffers are evaluated
+    # by the next step, which writes them in place (with the outputs they would be copied).
+    return lambda: step(k, v, q)[0]
 
 
 def encode_rows(positions: int, repeats: int) -> list[Row]:
