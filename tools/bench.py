@@ -7,7 +7,8 @@ layer per evaluation would measure MLX's per-evaluation overhead). Beside every 
 `mx.fast.scaled_dot_product_attention` over bf16 keys and values (no append) and an
 mlx-lm-style quantized attention (4-bit g64, no append). The same step compiled (spec
 COMPILE-6: all layers in one `mx.compile`d graph, replayed) is timed against the eager
-step, the two taking turns on the same caches (fastest of the repeats). Each read's
+step, the two taking turns on the same caches (fastest of the repeats, and least CPU time:
+the steadier measure where other processes share the CPU). Each read's
 attention alone is also timed against its byte floor: the bytes it must read over the
 plain-read bandwidth measured in this run; on CUDA, beside it, the same read on the kernels'
 CUDA-core body where the tensor-core body takes it. Absolute times mean something only on
@@ -83,6 +84,8 @@ class Row:
     #: Compiled rows: the eager step's wall and host time in the same turns.
     eager_us: float = 0.0
     eager_host_us: float = 0.0
+    #: Compiled rows: the least CPU time of a compiled step over the eager one's.
+    cpu_ratio: float = 0.0
 
 
 def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -90,24 +93,33 @@ def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> 
     return timed(run, repeats, warmup)[0]
 
 
-def samples(
-    runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2
-) -> list[tuple[list[float], list[float]]]:
-    """Per run: the wall times of `repeats` evaluated calls and the times to build their
-    graphs on the host, after `warmup` calls; the runs take turns, so that a busy machine
-    slows them alike."""
+@dataclass
+class Samples:
+    """One run's measured calls: wall times, times to build the graph on the host, and the
+    process's CPU time (all its threads), which other processes on the cores do not add to."""
+
+    times: list[float]
+    builds: list[float]
+    cpu_times: list[float]
+
+
+def samples(runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2) -> list[Samples]:
+    """Per run: `repeats` evaluated calls after `warmup` calls; the runs take turns, so
+    that a busy machine slows them alike."""
     for _ in range(warmup):
         for run in runs:
             mx.eval(run())
-    measured: list[tuple[list[float], list[float]]] = [([], []) for _ in runs]
+    measured = [Samples([], [], []) for _ in runs]
     for _ in range(repeats):
-        for run, (times, builds) in zip(runs, measured, strict=True):
+        for run, sample in zip(runs, measured, strict=True):
+            cpu = time.process_time()
             start = time.perf_counter()
             graph = run()
             built = time.perf_counter()
             mx.eval(graph)
-            times.append(time.perf_counter() - start)
-            builds.append(built - start)
+            sample.times.append(time.perf_counter() - start)
+            sample.builds.append(built - start)
+            sample.cpu_times.append(time.process_time() - cpu)
     return measured
 
 
@@ -117,16 +129,19 @@ def median(values: list[float]) -> float:
 
 def timed(run: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, float]:
     """Medians of (wall time of one evaluated call, time to build its graph on the host)."""
-    ((times, builds),) = samples([run], repeats, warmup)
-    return median(times), median(builds)
+    (sample,) = samples([run], repeats, warmup)
+    return median(sample.times), median(sample.builds)
 
 
 def taking_turns(
     runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2
-) -> list[tuple[float, float]]:
-    """Per run, the runs taking turns: the fastest wall time of one evaluated call and the
-    median time to build its graph."""
-    return [(min(times), median(builds)) for times, builds in samples(runs, repeats, warmup)]
+) -> list[tuple[float, float, float]]:
+    """Per run, the runs taking turns: the fastest wall time of one evaluated call, the
+    median time to build its graph and the least CPU time of a call."""
+    return [
+        (min(sample.times), median(sample.builds), min(sample.cpu_times))
+        for sample in samples(runs, repeats, warmup)
+    ]
 
 
 def read_bandwidth(megabytes: int, repeats: int) -> float:
@@ -215,7 +230,7 @@ def step_rows(
         if not compiled_only:
             bare = rows[0].us / 1e6
             rows += eager_rows(name, context, layer_caches, eager_step, q, repeats, bandwidth, bare)
-        (eager, eager_host), (compiled, compiled_host) = taking_turns(
+        (eager, eager_host, eager_cpu), (compiled, compiled_host, compiled_cpu) = taking_turns(
             [eager_step, compiled_step(layer_caches, k1, v1, q)],
             repeats,
         )
@@ -230,6 +245,7 @@ def step_rows(
                 host_us=compiled_host / layers * 1e6,
                 eager_us=eager / layers * 1e6,
                 eager_host_us=eager_host / layers * 1e6,
+                cpu_ratio=compiled_cpu / eager_cpu,
             )
         )
         for cache in layer_caches:
@@ -327,7 +343,9 @@ def compiled_step(
         return [trace.append_decode(k, v).attend(q, scale) for trace in traces]
 
     step = compile_decode(step_fn, layer_caches)
-    return lambda: step(k, v, q)
+    # The outputs alone, as a decode loop evaluates them: the stored buffers are evaluated
+    # by the next step, which writes them in place (with the outputs they would be copied).
+    return lambda: step(k, v, q)[0]
 
 
 def encode_rows(positions: int, repeats: int) -> list[Row]:
@@ -387,15 +405,18 @@ def print_compiled(rows: list[Row], width: int) -> None:
     """The compiled table: each kind's compiled and eager step of the same turns."""
     print(
         "\ncompiled: the step as one compiled graph against the eager step, per layer, "
-        "fastest of the turns  (ratio: compiled / eager; host: eager -> compiled)"
+        "fastest of the turns  (ratio: compiled / eager; cpu: the same of the least CPU "
+        "time, steadier where other processes share the CPU; host: eager -> compiled)"
     )
-    header = f"{'context':>7}  {'compiled':>9}  {'eager':>9}  {'ratio':>6}  {'host us':>15}"
+    header = (
+        f"{'context':>7}  {'compiled':>9}  {'eager':>9}  {'ratio':>6}  {'cpu':>5}  {'host us':>15}"
+    )
     print(f"{'':{width}}  {header}")
     for row in rows:
         host = f"{row.eager_host_us:.1f} -> {row.host_us:.1f}"
         print(
             f"{row.what:{width}}  {row.context:7d}  {row.us:9.1f}  {row.eager_us:9.1f}  "
-            f"{row.ratio:6.2f}  {host:>15}"
+            f"{row.ratio:6.2f}  {row.cpu_ratio:5.2f}  {host:>15}"
         )
 
 
