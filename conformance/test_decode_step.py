@@ -145,21 +145,9 @@ def _cuda_core_attend(read, queries, scale: float):
     """The MLX backend's decode attention on its CUDA-core body (READ-7), for a read its
     tensor-core body would otherwise take."""
     from kvspec.accelerated import attention_kernels
-    from kvspec.accelerated.caches.reads import StoredRead
 
-    assert isinstance(read, StoredRead)
     assert attention_kernels.tensor_core_fit(read.keys, read.values)
-    return attention_kernels.decode_attention(
-        queries,
-        read.keys,
-        read.values,
-        scale,
-        read.codebook,
-        read.signs,
-        read.read_dtype,
-        read.rows,
-        tensor_cores=False,
-    )
+    return read.attend(queries, scale, tensor_cores=False)
 
 
 def _kernels_on_cuda(backend: Backend) -> bool:

@@ -320,17 +320,7 @@ def cuda_core_attend(read: object, q: mx.array, scale: float) -> Callable[[], mx
         and attention_kernels.tensor_core_fit(read.keys, read.values)
     ):
         return None
-    return lambda: attention_kernels.decode_attention(
-        q,
-        read.keys,
-        read.values,
-        scale,
-        read.codebook,
-        read.signs,
-        read.read_dtype,
-        read.rows,
-        tensor_cores=False,
-    )
+    return lambda: read.attend(q, scale, tensor_cores=False)
 
 
 def compiled_step(

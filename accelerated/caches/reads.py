@@ -110,8 +110,10 @@ class StoredRead:
     #: The compiled step's new position, held apart from the buffers (COMPILE-4).
     slot: WriteSlot | None = None
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows."""
+    def attend(self, queries: mx.array, scale: float, tensor_cores: bool | None = None) -> mx.array:
+        """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows. On the kernels'
+        path, `tensor_cores` picks their pass-1 body (READ-7; None: tensor cores where they
+        fit); elsewhere it is not used."""
         B, Hq, N, _ = queries.shape
         if not (
             N == 1
@@ -132,6 +134,7 @@ class StoredRead:
             self.signs,
             self.read_dtype,
             self.rows,
+            tensor_cores=tensor_cores,
             slot=None if slot is None else (slot.position.reshape(1), slot.keys, slot.values),
         )
 
