@@ -848,18 +848,22 @@ def supported(keys: StoredSide, values: StoredSide, query_heads: int) -> bool:
     return keys.dim in HEAD_DIMS and values.dim in HEAD_DIMS
 
 
-def tensor_core_fit(keys: StoredSide, values: StoredSide) -> bool:
-    """Whether the tensor-core body takes a read: head dims that cut into its fragments
-    (DK a multiple of 8, DV of 16, both at most 256), and each lane's share of a row
-    (DK / 4 key elements, DV / 8 value elements) inside one group of a coded format.
-    Other reads run on CUDA cores."""
+#: Head dims the tensor-core body takes: those its tests have run on a GPU (any multiple
+#: of 16 up to 256 cuts into its fragments).
+TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 
-    def fits(side: StoredSide, step: int, share: int) -> bool:
-        if side.dim % step or side.dim > 256:
+
+def tensor_core_fit(keys: StoredSide, values: StoredSide) -> bool:
+    """Whether the tensor-core body takes a read: head dims of TENSOR_CORE_HEAD_DIMS, and
+    each lane's share of a row (D / 4 key elements, D / 8 value elements) inside one group
+    of a coded format. Other reads run on CUDA cores."""
+
+    def fits(side: StoredSide, share: int) -> bool:
+        if side.dim not in TENSOR_CORE_HEAD_DIMS:
             return False
         return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0
 
-    return fits(keys, 8, 4) and fits(values, 16, 8)
+    return fits(keys, 4) and fits(values, 8)
 
 
 def _splits(T: int, blocks_per_split: int) -> int:
@@ -983,7 +987,10 @@ def decode_attention(
     if tensor_cores is None:
         tensor_cores = tensor_core_fit(keys, values)
     elif tensor_cores and not tensor_core_fit(keys, values):
-        raise ValueError(f"the tensor-core body does not take dims {keys.dim}, {values.dim}")
+        raise ValueError(
+            "the tensor-core body does not take this read: head dims "
+            f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
+        )
     slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1]), *_fields(slot[2])]
     kernel = _partial_kernel(plan.shared_bytes, rows is not None, tensor_cores, slot is not None)
     partial, stats = kernel(

@@ -269,3 +269,40 @@ def test_a_failure_is_kept_past_later_good_appends(backend: Backend, kind: str) 
     with pytest.raises(ValueError, match="NaN or inf"):
         cache.check()
     cache.check()
+
+
+def test_tensor_core_fit_takes_the_head_dims_and_groups_it_was_tested_on(backend) -> None:
+    """READ-7: the tensor-core body is the default for head dims 64, 128 and 256 where a
+    lane's share of a row lies in one group; asked for anything else, decode_attention
+    refuses before anything is built."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's kernels")
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    def side(fmt: int, dim: int, group: int, bits: int = 8) -> kernels.StoredSide:
+        codes = mx.zeros((1, 1, 4, dim), mx.bfloat16)
+        return kernels.StoredSide(fmt, codes, None, None, bits, group, dim)
+
+    plain = kernels.PLAIN
+    assert kernels.tensor_core_fit(side(plain, 128, 0), side(plain, 128, 0))
+    assert kernels.tensor_core_fit(side(kernels.AFFINE, 256, 64), side(kernels.AFFINE, 256, 64))
+    # A TurboQuant key row of 256 gives each lane 64 elements: two groups of 32.
+    assert not kernels.tensor_core_fit(
+        side(kernels.TURBO_KEY, 256, 32), side(kernels.TURBO_VALUE, 256, 32)
+    )
+    assert not kernels.tensor_core_fit(side(plain, 96, 0), side(plain, 96, 0))
+    assert not kernels.tensor_core_fit(side(plain, 512, 0), side(plain, 512, 0))
+    queries = mx.zeros((1, 2, 1, 96), mx.bfloat16)
+    with pytest.raises(ValueError, match="tensor-core body does not take this read"):
+        kernels.decode_attention(
+            queries,
+            side(plain, 96, 0),
+            side(plain, 96, 0),
+            0.1,
+            None,
+            None,
+            mx.bfloat16,
+            tensor_cores=True,
+        )
