@@ -17,6 +17,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from kvspec.accelerated.cuda_source import compact
 from kvspec.accelerated.dtypes import dtype_name
 from kvspec.reference.dtypes import QUIET_NAN_BITS
 
@@ -103,7 +104,7 @@ def _kernel() -> object:
         name="kvspec_affine_quantize",
         input_names=["w", "prior"],
         output_names=["wq", "scales", "biases", "total"],
-        source=_SOURCE,
+        source=compact(_SOURCE),
     )
 
 

@@ -37,6 +37,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from kvspec.accelerated.cuda_source import compact
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 #: Storage formats of one side (keys or values) of a cache.
@@ -263,6 +264,13 @@ struct LaneRow {
     }
 };
 
+}  // namespace kvspec_attn
+"""
+
+# What only the CUDA-core body uses: the warp reductions and the stage update.
+_CORE_HEADER = r"""
+namespace kvspec_attn {
+
 template <int G>
 __device__ __forceinline__ void warp_sums(float (&dot)[G], int lane) {
     // Every lane gets the warp-wide sum of each of its G partial dot products. Halving
@@ -348,6 +356,13 @@ __device__ __forceinline__ void attend_stage(
         }
     }
 }
+
+}  // namespace kvspec_attn
+"""
+
+# What only the tensor-core body uses: TF32 rounding and the MMA.
+_MMA_HEADER = r"""
+namespace kvspec_attn {
 
 __device__ __forceinline__ unsigned int tf32(float x) {
     // x rounded to the nearest TF32 (ties away), for the operands computed once per block
@@ -784,6 +799,7 @@ def _partial_kernel(shared_bytes: int, counted: bool, mma: bool, slot: bool) -> 
     name = "kvspec_decode_attention" + "".join(
         suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
     )
+    header = _HEADER + (_MMA_HEADER if mma else _CORE_HEADER)
     return mx.fast.cuda_kernel(
         name=name,
         input_names=[
@@ -799,8 +815,8 @@ def _partial_kernel(shared_bytes: int, counted: bool, mma: bool, slot: bool) -> 
             *(_SLOT_INPUTS if slot else []),
         ],
         output_names=["partial", "stats"],
-        source=source,
-        header=_HEADER,
+        source=compact(source),
+        header=compact(header),
         ensure_row_contiguous=False,
         shared_memory=shared_bytes,
     )
@@ -812,7 +828,7 @@ def _merge_kernel() -> object:
         name="kvspec_decode_merge",
         input_names=["partial", "stats", "signs"],
         output_names=["out"],
-        source=_MERGE_SOURCE,
+        source=compact(_MERGE_SOURCE),
     )
 
 

@@ -16,6 +16,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from kvspec.accelerated.cuda_source import compact
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
@@ -88,8 +89,8 @@ def _kernel() -> object:
         name="kvspec_turboquant_decode",
         input_names=["k_idx", "k_scales", "k_zeros", "v_packed", "v_scales", "centroids", "signs"],
         output_names=["keys", "values"],
-        source=_SOURCE,
-        header=_HEADER,
+        source=compact(_SOURCE),
+        header=compact(_HEADER),
     )
 
 
@@ -285,7 +286,7 @@ def _encode_kernel() -> object:
         name="kvspec_turboquant_encode",
         input_names=["k", "v", "boundaries", "signs", "prior"],
         output_names=["k_idx", "k_scales", "k_zeros", "v_packed", "v_scales", "total"],
-        source=_ENCODE_SOURCE,
+        source=compact(_ENCODE_SOURCE),
     )
 
 
