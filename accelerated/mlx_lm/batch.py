@@ -13,7 +13,7 @@ merged after it (left padded, ROWS-9): each row stores and reads what it would a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -22,7 +22,7 @@ from kvspec.accelerated import caches, rows
 from kvspec.accelerated.caches.protocol import Mask, Read
 
 
-def rows_apart(cache: caches.Cache, compose) -> list[caches.Cache]:
+def rows_apart(cache: caches.Cache, compose: Callable[[], caches.Cache]) -> list[caches.Cache]:
     """The rows of `cache`, each a single-row cache of its own (ROWS-8); a cache holding
     nothing is one row holding nothing."""
     if cache.layout is None:
@@ -30,18 +30,42 @@ def rows_apart(cache: caches.Cache, compose) -> list[caches.Cache]:
     return [rows.extract_row(cache, row) for row in range(cache.layout.batch)]
 
 
-def joined(row_caches: Sequence[caches.Cache], layer: int) -> caches.Cache:
-    """Rows that all hold positions as one cache, left padded to the longest (ROWS-9)."""
-    if len(row_caches) == 1:
-        return row_caches[0]
-    try:
-        return rows.merge(row_caches)
-    except ValueError as error:
-        # A bf16-first scheme with a start: rows alone switch at their own lengths.
-        raise ValueError(
-            f"layer {layer}: the batch's rows cannot be joined into one kvspec cache "
-            f"({error}); a kvspec batch holds one storage for all its rows (ROWS-7)"
-        ) from error
+def switched_as_one(
+    parts: Sequence[caches.Cache], compose: Callable[[int | None], caches.Cache]
+) -> list[caches.Cache]:
+    """`parts` of one bf16-first batch holding one storage (ROWS-7): when some switched
+    (B16F-2) and others did not yet (a start they reach at other lengths), those switch
+    now, earlier than they would alone, as a batch's shorter rows do. `compose(start)`
+    is an empty cache of the batch's recipe, with another start if given."""
+    switched = [isinstance(part, caches.Bf16FirstCache) and part.converted for part in parts]
+    if not any(switched) or all(switched):
+        return list(parts)
+    return [
+        part if done else _switched_now(part, compose)
+        for part, done in zip(parts, switched, strict=True)
+    ]
+
+
+def _switched_now(
+    part: caches.Cache, compose: Callable[[int | None], caches.Cache]
+) -> caches.Cache:
+    # A start of the offset held makes the restore switch (B16F-6) and record that offset
+    # as the minimum reusable offset (B16F-4); the batch's own start then adopts it.
+    early = compose(part.offset)
+    early.restore_state(part.state())
+    converted = compose(None)
+    converted.restore_state(early.state())
+    return converted
+
+
+def joined(
+    row_caches: Sequence[caches.Cache], compose: Callable[[int | None], caches.Cache]
+) -> caches.Cache:
+    """Caches that all hold positions as one batch (ROWS-3, ROWS-9), switched as one."""
+    parts = switched_as_one(row_caches, compose)
+    if len(parts) == 1:
+        return parts[0]
+    return rows.merge(parts)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ so a bf16-first cache saved before its switch keeps its scheme and start (B16F-6
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,10 +40,13 @@ class CacheRecipe:
     layer: int
     max_size: int | None = None
 
-    def compose(self) -> caches.Cache:
-        """An empty cache of this recipe. Its checks are deferred (DEFER-3): a generation step
-        never waits for the device; `state` (saving, prefill) raises what was recorded."""
+    def compose(self, start: int | None = None) -> caches.Cache:
+        """An empty cache of this recipe (with another bf16-first `start`, if given). Its
+        checks are deferred (DEFER-3): a generation step never waits for the device; `state`
+        (saving, prefill) raises what was recorded."""
         scheme = caches.parse_scheme(self.scheme)
+        if start is not None and not isinstance(scheme, caches.Bf16Scheme):
+            scheme = dataclasses.replace(scheme, quantized_kv_start=start)
         if self.max_size is None:
             return caches.composed_full_attention_cache(scheme, self.layer, checks="deferred")
         return caches.composed_sliding_attention_cache(
@@ -105,7 +109,7 @@ class KvspecCache:
             )
         padding = self.right_padding or [0] * B
         rows_read = batch.append_rows(row_caches, keys, values, [L - p for p in padding])
-        self.cache = batch.joined(row_caches, self.recipe.layer)
+        self.cache = batch.joined(row_caches, self.recipe.compose)
         self.rows_apart = None
         self.right_padding = None
         return rows_read, rows_read
@@ -164,7 +168,7 @@ class KvspecCache:
                     f"({first.recipe}), not {getattr(other, 'recipe', type(other).__name__)}"
                 )
         if all(other.rows_apart is None and not other.empty() for other in caches_):
-            merged = rows.merge([other.cache for other in caches_])
+            merged = batch.joined([other.cache for other in caches_], first.recipe.compose)
             return cls(first.recipe, merged, batched=True)
         row_caches = [row for other in caches_ for row in other._rows()]
         return cls(first.recipe, rows_apart=row_caches)
