@@ -13,12 +13,17 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.generate import BatchGenerator, batch_generate  # noqa: E402
+from mlx_lm.models import cache as mlx_lm_cache  # noqa: E402
 
 from kvspec.accelerated.dtypes import to_numpy  # noqa: E402
-from kvspec.accelerated.mlx_lm import make_prompt_cache  # noqa: E402
+from kvspec.accelerated.mlx_lm import KvspecCache, make_prompt_cache  # noqa: E402
 from kvspec.conformance.compare import assert_same_bits  # noqa: E402
-from kvspec.conformance.test_mlx_lm_adapter import CONFIGS, build_model  # noqa: E402
+from kvspec.conformance.test_mlx_lm_adapter import (  # noqa: E402
+    CONFIGS,
+    build_model,
+    model_dir,  # noqa: F401 (the fixture)
+)
 
 #: Different lengths (one of a single token: its cache holds nothing when it joins the
 #: decode batch) and different max_tokens, so rows finish at different steps (filter).
@@ -150,3 +155,108 @@ def test_bf16_first_batch_switches_as_one(llama, scheme) -> None:
         assert tokens[uid] == alone[0], len(prompt)
     alone, _ = generate_batched(llama, [late], [6], scheme.format(len(late)))
     assert tokens[uids[3]] == alone[0]
+
+
+def test_batch_generate_with_histories_equals_mlx_lm(llama, model_dir) -> None:  # noqa: F811
+    """bf16: `batch_generate` with prompt caches that already hold a prefix beside fresh
+    ones (rows holding positions merged with rows holding none) gives mlx-lm's own text,
+    and each returned prompt cache (extract, ROWS-8) holds mlx-lm's keys and values bit for
+    bit and continues as mlx-lm's continues."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prefix, prompts = PROMPTS[0][:17], [PROMPTS[0][17:], PROMPTS[1], PROMPTS[3][:6]]
+
+    def run(make_cache):
+        caches = [make_cache(llama) for _ in prompts]
+        llama(mx.array(prefix)[None], cache=caches[0])
+        return batch_generate(
+            llama,
+            tokenizer,
+            prompts,
+            prompt_caches=caches,
+            max_tokens=[7, 4, 9],
+            return_prompt_caches=True,
+            return_token_ids=True,
+        )
+
+    expected = run(mlx_lm_cache.make_prompt_cache)
+    got = run(make_prompt_cache)
+    assert got.token_ids == expected.token_ids and got.texts == expected.texts
+    for got_caches, expected_caches in zip(got.caches, expected.caches, strict=True):
+        for layer, (ours, theirs) in enumerate(zip(got_caches, expected_caches, strict=True)):
+            assert isinstance(ours, KvspecCache) and not ours.batched
+            assert ours.offset == theirs.offset
+            for name, a, b in zip(
+                ("keys", "values"), ours.cache.state().arrays, theirs.state[:2], strict=True
+            ):
+                assert_same_bits(to_numpy(a), to_numpy(b), f"layer {layer} {name}")
+        continued = [
+            [
+                token
+                for token, _ in generate_step(
+                    mx.array([3, 1, 4]), llama, max_tokens=5, prompt_cache=c
+                )
+            ]
+            for c in (got_caches, expected_caches)
+        ]
+        assert continued[0] == continued[1]
+
+
+def test_batch_offsets_are_per_row(llama) -> None:
+    """A merged batch gives the model's RoPE one offset per row (ROWS-5's row offsets, as
+    mlx-lm's batch caches do); a row taken out gives one integer again."""
+    caches = [make_prompt_cache(llama, "affine:8:64") for _ in range(3)]
+    for length, cache in zip([5, 9, 2], caches, strict=True):
+        llama(mx.array(PROMPTS[0][:length])[None], cache=cache)
+    merged = [
+        type(layer).merge([cache[i] for cache in caches]) for i, layer in enumerate(caches[0])
+    ]
+    assert merged[0].offset.tolist() == [5, 9, 2]
+    assert merged[0].cache.left_padding == (4, 0, 7)
+    # nbytes (mlx-lm's prompt_cache_nbytes) counts the padded buffer: 3 rows of 9 positions.
+    assert merged[0].nbytes * (5 + 9 + 2) == sum(cache[0].nbytes for cache in caches) * 3 * 9
+    merged[0].filter([2, 0])
+    assert merged[0].offset.tolist() == [2, 5] and merged[0].cache.left_padding == (3, 0)
+    assert merged[1].extract(1).offset == 9
+
+
+def test_batch_left_padding_equals_mlx_lm(llama) -> None:
+    """`prepare(left_padding=...)` (ROWS-11) of a fresh batch, then a left-padded prompt:
+    every row's logits at its own positions equal mlx-lm's BatchKVCache's bit for bit."""
+    prompts = [PROMPTS[0][:6], PROMPTS[1][:3]]
+    padding = [0, 3]
+    tokens = mx.array([[0] * pad + prompt for pad, prompt in zip(padding, prompts, strict=True)])
+    theirs = [mlx_lm_cache.BatchKVCache(padding) for _ in llama.layers]
+    ours = [
+        type(layer).merge([layer, make_prompt_cache(llama)[i]])
+        for i, layer in enumerate(make_prompt_cache(llama))
+    ]
+    for layer in ours:
+        layer.prepare(left_padding=padding)
+    expected, got = llama(tokens, cache=theirs), llama(tokens, cache=ours)
+    for row, pad in enumerate(padding):
+        assert_same_bits(to_numpy(got[row, pad:]), to_numpy(expected[row, pad:]), f"row {row}")
+    step = mx.array([[7], [9]])
+    assert_same_bits(
+        to_numpy(llama(step, cache=ours)), to_numpy(llama(step, cache=theirs)), "decode"
+    )
+
+
+def test_batch_refusals(llama) -> None:
+    """What a kvspec batch cannot do is refused with the reason, the caches unchanged."""
+    bf16, affine = make_prompt_cache(llama), make_prompt_cache(llama, "affine:8:64")
+    with pytest.raises(ValueError, match="one recipe"):
+        type(bf16[0]).merge([bf16[0], affine[0]])
+    with pytest.raises(ValueError, match="one recipe"):
+        type(bf16[0]).merge([bf16[0], mlx_lm_cache.KVCache()])
+    llama(mx.array(PROMPTS[0][:4])[None], cache=bf16)
+    merged = type(bf16[0]).merge([bf16[0], bf16[0]])
+    with pytest.raises(ValueError, match="holding nothing"):
+        merged.prepare(left_padding=[1, 0])
+    fresh = type(affine[0]).merge([affine[0], make_prompt_cache(llama, "affine:8:64")[0]])
+    with pytest.raises(ValueError, match="no state of one cache"):
+        fresh.state  # noqa: B018
+    with pytest.raises(ValueError, match="an append of 3 rows to a batch of 2"):
+        fresh.update_and_fetch(mx.zeros((3, 2, 4, 64)), mx.zeros((3, 2, 4, 64)))

@@ -59,6 +59,12 @@ class KvspecCache:
     use a cache. `update_and_fetch` returns the append's read for keys and values, so the
     model's attention runs in kvspec (see `attention`)."""
 
+    # Not a batch until `merge` (a cache built by `from_state` takes these too).
+    rows_apart: list[caches.Cache] | None = None
+    batched: bool = False
+    right_padding: list[int] | None = None
+    prepared_padding: tuple[int, ...] = ()
+
     def __init__(
         self,
         recipe: CacheRecipe,
@@ -73,7 +79,6 @@ class KvspecCache:
         self.cache = recipe.compose() if cache is None else cache
         self.rows_apart = rows_apart
         self.batched = batched or rows_apart is not None
-        self.right_padding: list[int] | None = None
 
     @property
     def offset(self) -> int | mx.array:
@@ -83,6 +88,9 @@ class KvspecCache:
             return self.cache.offset
         if self.rows_apart is not None:
             return mx.array([row.offset for row in self.rows_apart])
+        if self.cache.layout is None:
+            # Prepared left padding (ROWS-11): each row's first own position is 0.
+            return mx.array([-count for count in self.prepared_padding])
         return mx.array(self.cache.row_offsets)
 
     def update_and_fetch(
@@ -151,7 +159,7 @@ class KvspecCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the stored fields a saved state holds (CACHE-8)."""
-        held = self.cache if self.rows_apart is None else self.rows_apart
+        held = [self.cache] if self.rows_apart is None else self.rows_apart
         return sum(array.nbytes for cache in held for array in cache.state().arrays)
 
     # mlx-lm's batch protocol (BatchKVCache, BatchRotatingKVCache) on kvspec's rows.
@@ -218,8 +226,9 @@ class KvspecCache:
                     f"layer {self.recipe.layer}: left padding is for a batch holding nothing "
                     "(ROWS-11)"
                 )
+            self.prepared_padding = tuple(int(count) for count in left_padding)
             self.cache, self.rows_apart = self.recipe.compose(), None
-            self.cache.prepare(left_padding=[int(count) for count in left_padding])
+            self.cache.prepare(left_padding=self.prepared_padding)
         if right_padding is not None and max(right_padding) > 0:
             self.right_padding = [int(count) for count in right_padding]
 
