@@ -220,6 +220,12 @@ def test_batch_offsets_are_per_row(llama) -> None:
     merged[0].filter([2, 0])
     assert merged[0].offset.tolist() == [2, 5] and merged[0].cache.left_padding == (3, 0)
     assert merged[1].extract(1).offset == 9
+    # kv_bits converts a batch of plain layers to a batch: RoPE still gets each row's offset.
+    plain = [make_prompt_cache(llama)[0] for _ in range(2)]
+    for length, cache in zip([3, 8], plain, strict=True):
+        cache.update_and_fetch(*[mx.zeros((1, 2, length, 64), mx.bfloat16)] * 2)
+    quantized = type(plain[0]).merge(plain).to_quantized(group_size=64, bits=8)
+    assert quantized.offset.tolist() == [3, 8] and quantized.cache.left_padding == (5, 0)
 
 
 def test_batch_left_padding_equals_mlx_lm(llama) -> None:

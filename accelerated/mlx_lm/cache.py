@@ -332,11 +332,12 @@ class KvspecPlainCache(KvspecCache):
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> KvspecCache:
         """This layer's positions in the affine format: the cache `affine:BITS:GROUP`
         composes, restored from this one's state, so it converts at once (B16F-6) and, for
-        a ring, keeps its window (QRING-2). This cache is left as it was."""
+        a ring, keeps its window (QRING-2); a batch stays a batch, its padding kept
+        (ROWS-10). This cache is left as it was."""
         recipe = CacheRecipe(f"affine:{bits}:{group_size}", self.recipe.layer, self.recipe.max_size)
         converted = recipe.compose()
-        converted.restore_state(self.cache.state())
-        return KvspecCache(recipe, converted)
+        converted.restore_state(self._joined().state())
+        return KvspecCache(recipe, converted, batched=self.batched)
 
 
 def kvspec_cache(recipe: CacheRecipe, cache: caches.Cache | None = None) -> KvspecCache:
