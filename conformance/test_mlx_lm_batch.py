@@ -266,3 +266,12 @@ def test_batch_refusals(llama) -> None:
         fresh.state  # noqa: B018
     with pytest.raises(ValueError, match="an append of 3 rows to a batch of 2"):
         fresh.update_and_fetch(mx.zeros((3, 2, 4, 64)), mx.zeros((3, 2, 4, 64)))
+    assert not fresh.is_trimmable() and fresh.trim(3) == 0
+    # A fresh row taken out is a cache of its own: appending to it leaves the batch's alone.
+    fresh.extract(0).update_and_fetch(*[mx.zeros((1, 2, 4, 64), mx.bfloat16)] * 2)
+    assert fresh.offset.tolist() == [0, 0]
+    fresh.prepare(left_padding=[2, 0])
+    with pytest.raises(ValueError, match="takes its first append"):
+        fresh.filter([1])
+    with pytest.raises(ValueError, match="takes its first append"):
+        fresh.extract(0)

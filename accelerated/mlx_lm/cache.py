@@ -140,10 +140,11 @@ class KvspecCache:
         return mask
 
     def is_trimmable(self) -> bool:
-        return self.cache.is_trimmable()
+        """Rows held apart are not trimmable until their next append joins them."""
+        return self.rows_apart is None and self.cache.is_trimmable()
 
     def trim(self, n: int) -> int:
-        return self.cache.trim(n)
+        return 0 if self.rows_apart is not None else self.cache.trim(n)
 
     def size(self) -> int:
         """Positions the cache holds for attention: offset, at most the window on a ring."""
@@ -184,11 +185,20 @@ class KvspecCache:
     def _rows(self) -> list[caches.Cache]:
         """This cache's rows, each a single-row cache of its own, copies of the stored
         fields (ROWS-8)."""
-        if self.rows_apart is not None:
-            return [
-                row if row.layout is None else rows.extract_row(row, 0) for row in self.rows_apart
-            ]
-        return batch.rows_apart(self.cache, self.recipe.compose)
+        self._refuse_prepared_rows()
+        if self.rows_apart is None:
+            return batch.rows_apart(self.cache, self.recipe.compose)
+        return [
+            self.recipe.compose() if row.layout is None else rows.extract_row(row, 0)
+            for row in self.rows_apart
+        ]
+
+    def _refuse_prepared_rows(self) -> None:
+        if self.prepared_padding and self.cache.layout is None:
+            raise ValueError(
+                f"layer {self.recipe.layer}: a batch prepared with left padding (ROWS-11) "
+                "takes its first append before its rows are filtered, extracted or merged"
+            )
 
     def extend(self, other: KvspecCache) -> None:
         """The rows of `other` after this batch's, in place (ROWS-3, mlx-lm's `extend`)."""
@@ -199,6 +209,7 @@ class KvspecCache:
         """Keep rows `batch_indices`, in that order, in place; padding no kept row needs is
         dropped (ROWS-8, mlx-lm's `filter`)."""
         indices = [int(index) for index in batch_indices]
+        self._refuse_prepared_rows()
         if self.rows_apart is not None:
             self.rows_apart = [self.rows_apart[index] for index in indices]
         elif self.cache.layout is not None:
@@ -206,6 +217,7 @@ class KvspecCache:
 
     def extract(self, idx: int) -> KvspecCache:
         """Row `idx` as a cache of its own (ROWS-8): the cache that row would be alone."""
+        self._refuse_prepared_rows()
         if self.rows_apart is not None:
             return kvspec_cache(self.recipe, self._rows()[idx])
         return kvspec_cache(self.recipe, rows.extract_row(self.cache, idx))
