@@ -62,6 +62,7 @@ GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
 RING_MASKS = "test_ring_masks_against_positions_written"
 ROWS = "conformance/test_rows.py"
+MLX_LM_BATCH = "conformance/test_mlx_lm_batch.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -447,6 +448,39 @@ CATALOGUE = (
         "    starts = tuple(row_offset - T for row_offset in offsets)\n",
         "donor rows of a padded batch start every row T positions back (ROWS-10, DONOR-1)",
         (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+    ),
+    # -- mlx-lm's batched generation through the adapter (accelerated/mlx_lm) ----------
+    Mutant(
+        "mlx-lm-batch-offset-buffer",
+        "accelerated/mlx_lm/cache.py",
+        "        return mx.array(self.cache.row_offsets)\n",
+        "        return mx.array([self.cache.offset] * self.cache.layout.batch)\n",
+        "a batch gives RoPE the buffer offset, not each row's (ROWS-5)",
+        (f"{MLX_LM_BATCH}::test_bf16_batch_equals_mlx_lm",),
+    ),
+    Mutant(
+        "mlx-lm-batch-keeps-right-padding",
+        "accelerated/mlx_lm/batch.py",
+        "        k, v = keys[row : row + 1, :, :length], values[row : row + 1, :, :length]\n",
+        "        k, v = keys[row : row + 1], values[row : row + 1]\n",
+        "a right-padded chunk stores each row's padding as its positions",
+        (f"{MLX_LM_BATCH}::test_bf16_batch_equals_mlx_lm",),
+    ),
+    Mutant(
+        "mlx-lm-batch-filter-ignored",
+        "accelerated/mlx_lm/cache.py",
+        "            self.cache = rows.filter_rows(self.cache, indices)\n",
+        "            self.cache = rows.filter_rows(self.cache, sorted(set(indices)))\n",
+        "filter keeps its rows in their old order, a repeated row once (ROWS-8)",
+        (f"{MLX_LM_BATCH}::test_batch_offsets_are_per_row",),
+    ),
+    Mutant(
+        "mlx-lm-batch-switch-apart",
+        "accelerated/mlx_lm/batch.py",
+        "    if not any(switched) or all(switched):\n",
+        "    if True:\n",
+        "a row still plain joins a switched bf16-first batch unconverted (ROWS-7)",
+        (f"{MLX_LM_BATCH}::test_bf16_first_batch_switches_as_one",),
     ),
 )
 

@@ -1,9 +1,10 @@
 """kvspec's caches in mlx-lm's generation (an optional extra: `pip install 'kvspec[mlx-lm]'`).
 
 `make_prompt_cache(model, scheme)` gives one cache per layer that mlx-lm's `generate`,
-`stream_generate` and `generate_step` take as `prompt_cache`; attention runs in kvspec's
-reads. `save_prompt_cache` is mlx-lm's; `load_prompt_cache` is mlx-lm's with checks against
-the model and scheme. `python -m kvspec.accelerated.mlx_lm --help` generates from a local
+`stream_generate` and `generate_step` take as `prompt_cache`, and `BatchGenerator` and
+`batch_generate` batch, one per prompt (`batch`); attention runs in kvspec's reads.
+`save_prompt_cache` is mlx-lm's; `load_prompt_cache` is mlx-lm's with checks against the
+model and scheme. `python -m kvspec.accelerated.mlx_lm --help` generates from a local
 model directory.
 """
 

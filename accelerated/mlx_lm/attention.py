@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from kvspec.accelerated.caches.protocol import Mask, Read
+from kvspec.accelerated.mlx_lm.batch import RowsAttention
 
 _MLX_LM_ATTENTION = base.scaled_dot_product_attention
 
@@ -57,7 +58,7 @@ def scaled_dot_product_attention(
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, but keys from a kvspec cache attend through
     their own read."""
-    if isinstance(keys, PendingAttention):
+    if isinstance(keys, PendingAttention | RowsAttention):
         if sinks is not None:
             raise ValueError("kvspec reads do not take attention sinks")
         return keys.attend(queries, scale, mask)
