@@ -275,3 +275,25 @@ def test_batch_refusals(llama) -> None:
         fresh.filter([1])
     with pytest.raises(ValueError, match="takes its first append"):
         fresh.extract(0)
+
+
+def test_use_scheme_gives_mlx_lms_own_paths_kvspec_caches() -> None:
+    """`use_scheme`: mlx-lm's `make_prompt_cache(model)` (what BatchGenerator, batch_generate
+    and mlx_lm.server call when given no caches) builds the scheme's kvspec caches, each
+    layer keeping the window the model declared, and a batch generated without caches
+    equals one given the caches explicitly; the server's batchability test holds."""
+    from kvspec.accelerated.mlx_lm import use_scheme
+
+    for name in ("llama", "sliding-llama"):
+        model = build_model(CONFIGS[name])
+        windows = [getattr(c, "max_size", None) for c in mlx_lm_cache.make_prompt_cache(model)]
+        expected = generate_batched(model, PROMPTS[:2], MAX_TOKENS[:2], "affine:8:64")
+        use_scheme(model, "affine:8:64")
+        made = mlx_lm_cache.make_prompt_cache(model)
+        assert all(isinstance(c, KvspecCache) and hasattr(c, "merge") for c in made)
+        assert [c.recipe.max_size for c in made] == windows
+        assert {c.recipe.scheme for c in made} == {"affine:8:64"}
+        assert generate_batched(model, PROMPTS[:2], MAX_TOKENS[:2])[0] == expected[0]
+        # Another scheme later reads the windows from the kvspec caches it made.
+        use_scheme(model, "bf16")
+        assert [c.recipe.max_size for c in mlx_lm_cache.make_prompt_cache(model)] == windows

@@ -24,6 +24,8 @@ def layer_windows(model: Any) -> list[int | None]:
 
 
 def _window_of(layer: int, cache: Any) -> int | None:
+    if isinstance(cache, KvspecCache):  # a model given a scheme by `use_scheme`
+        return cache.recipe.max_size
     if type(cache) is mlx_lm_cache.KVCache:
         return None
     if type(cache) is mlx_lm_cache.RotatingKVCache:
@@ -54,6 +56,17 @@ def make_prompt_cache(model: Any, scheme: str = "bf16") -> list[KvspecCache]:
             )
     text = scheme.strip()
     return [kvspec_cache(CacheRecipe(text, layer, w)) for layer, w in enumerate(windows)]
+
+
+def use_scheme(model: Any, scheme: str) -> None:
+    """Gives `model` a `make_cache` that composes kvspec caches by `scheme`, so that every
+    path of mlx-lm that makes the model's caches itself through mlx-lm's
+    `make_prompt_cache(model)` (`generate` and `stream_generate` without a prompt cache,
+    `BatchGenerator` and `batch_generate`, `mlx_lm.server` given this model) runs on them.
+    The model's layer windows are read now, from the caches it makes before the call."""
+    composed = make_prompt_cache(model, scheme)
+    recipes = [cache.recipe for cache in composed]
+    model.make_cache = lambda: [kvspec_cache(recipe) for recipe in recipes]
 
 
 def load_prompt_cache(
