@@ -6,6 +6,7 @@ oracle where they exist. Skipped where mlx-lm is not installed."""
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 
 import pytest
@@ -568,3 +569,26 @@ def test_routed_attention_refuses_what_reads_cannot_do() -> None:
         scaled_dot_product_attention(queries, keys, values, layer, 0.125, None, mx.zeros((4,)))
     output = scaled_dot_product_attention(queries, keys, values, layer, 0.125, None)
     assert output.shape == (1, 4, 1, 64)
+
+
+def test_server_command_gives_the_loaded_model_kvspec_caches(model_dir, monkeypatch) -> None:
+    """python -m kvspec.accelerated.mlx_lm.server: mlx-lm's server main, its provider's
+    models given the scheme's caches (`use_scheme`), so every request's caches, batched or
+    not, are kvspec's; the server still finds them batchable."""
+    from mlx_lm import server
+    from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
+
+    from kvspec.accelerated.mlx_lm import KvspecCache
+    from kvspec.accelerated.mlx_lm import server as kvspec_server
+
+    providers = []
+    monkeypatch.setattr(server, "run", lambda host, port, provider: providers.append(provider))
+    monkeypatch.setattr(server, "ModelProvider", server.ModelProvider)
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    kvspec_server.main(["--kv-scheme", "affine:8:64", "--model", str(model_dir)])
+    (provider,) = providers
+    model, _ = provider.load("default_model")
+    made = mlx_lm_make_prompt_cache(model)
+    assert all(isinstance(cache, KvspecCache) for cache in made)
+    assert {cache.recipe.scheme for cache in made} == {"affine:8:64"}
+    assert provider.is_batchable

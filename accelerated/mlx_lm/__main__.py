@@ -16,7 +16,8 @@ from pathlib import Path
 from kvspec.accelerated import caches
 
 
-def _scheme(text: str) -> str:
+def scheme_argument(text: str) -> str:
+    """A --kv-scheme value, checked (SCHEME-2)."""
     try:
         caches.parse_scheme(text)
     except ValueError as error:
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-scheme",
         default="bf16",
-        type=_scheme,
+        type=scheme_argument,
         help="KV storage scheme (spec SCHEME-2), e.g. bf16, affine:4:64, turbo:k8v4:start=256",
     )
     parser.add_argument("--prompt", required=True, help="the prompt text")
