@@ -80,7 +80,7 @@ class SlotRead:
 @dataclass(frozen=True)
 class WriteSlot:
     """The new position of a compiled step as the decode-attention kernels take it
-    (COMPILE-4): the buffer row it replaces (int32 scalar) and its stored fields as sides
+    (COMPILE-4): the buffer row it replaces (int32 [1]) and its stored fields as sides
     of one row. The kernels read that row from these fields, the others from the buffers
     where they lie: no copy."""
 
@@ -135,7 +135,7 @@ class StoredRead:
             self.read_dtype,
             self.rows,
             tensor_cores=tensor_cores,
-            slot=None if slot is None else (slot.position.reshape(1), slot.keys, slot.values),
+            slot=None if slot is None else (slot.position, slot.keys, slot.values),
         )
 
 
@@ -190,7 +190,7 @@ class ReadMethods(reads.ReadMethods):
         assert self.layout is not None
         keys, values, codebook, signs = self._stored_sides(fields)
         new_keys, new_values, _, _ = self._stored_sides(new)
-        slot = WriteSlot(position, new_keys, new_values)
+        slot = WriteSlot(position.reshape(1), new_keys, new_values)
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
         rows = active_length.reshape(1)
         return StoredRead(keys, values, read_dtype, codebook, signs, lambda: portable, rows, slot)
