@@ -215,6 +215,14 @@ CATALOGUE = (
         (f"{KV}::test_kv_cache_machine", MASKS),
     ),
     Mutant(
+        "ring-mask-causal-from-first-query",
+        "reference/caches/masks.py",
+        "        last_query = offset + n - 1\n",
+        "        last_query = offset\n",
+        "a ring's span mask judged causal from its first query, the nearest to the keys (MASK-3)",
+        (MASKS,),
+    ),
+    Mutant(
         "ring-mask-roll",
         "reference/caches/masks.py",
         "    cycled = offset - (write_row - rows) % (max_size - keep)\n",

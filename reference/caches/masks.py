@@ -37,18 +37,37 @@ def rotating_make_mask(
     `keep` kept positions and the last max_size - keep) or, with a window, one of the
     last `window_size` positions. Columns are the fetch's rows in ring order (RING-4);
     None when the one query sees every row, "causal" when the lower-right rule is exact."""
-    key_positions = _held_positions(n, offset, max_size, keep, ring_index)[None, :]
+    held = _held_positions(n, offset, max_size, keep, ring_index)
+    if n > 1:
+        # RING-3 fetches in temporal order, the new positions last: query i has reached
+        # exactly the keys the lower-right causal rule gives it, and the window hides one
+        # of them from some query iff it hides it from the last, the farthest from every
+        # key. So the last query's row decides "causal", with no n x t matrix.
+        last_query = offset + n - 1
+        if _in_window(last_query - held, held, max_size, keep, window_size).all():
+            return "causal"
+    key_positions = held[None, :]
     query_positions = np.arange(offset, offset + n)[:, None]
     distance = query_positions - key_positions
-    if window_size is None:
-        in_window = (key_positions < keep) | (distance < max_size - keep)
-    else:
-        in_window = distance < window_size
-    visible = (distance >= 0) & in_window
+    visible = (distance >= 0) & _in_window(distance, key_positions, max_size, keep, window_size)
     if n == 1:
         return None if visible.all() else visible[0]
-    t = visible.shape[1]
-    return "causal" if np.array_equal(visible, create_causal_mask(n, t - n)) else visible
+    return visible
+
+
+def _in_window(
+    distance: np.ndarray,
+    key_positions: np.ndarray,
+    max_size: int,
+    keep: int,
+    window_size: int | None,
+) -> np.ndarray:
+    """MASK-3's window: a key at `distance` behind a query is one of the ring's own window
+    (a kept position, or one of the last max_size - keep) or, with a window, one of the
+    last `window_size` positions."""
+    if window_size is None:
+        return (key_positions < keep) | (distance < max_size - keep)
+    return distance < window_size
 
 
 def _held_positions(n: int, offset: int, max_size: int, keep: int, ring_index: int) -> np.ndarray:
