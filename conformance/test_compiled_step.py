@@ -159,7 +159,7 @@ class Session:
         expected = self.model.append_decode(k, v)
         on_backend = [self.backend.from_numpy(a) for a in (k, v, queries)]
         self.eager_cache.append_decode(*on_backend[:2])
-        (got,), _ = self.step(*on_backend)
+        (got,) = self.step(*on_backend)
         _assert_within_bound(expected, got, queries, self.backend)
         assert_same_state(self.model, self.compiled_cache, self.backend)
         assert_same_state(self.model, self.eager_cache, self.backend)
@@ -210,7 +210,7 @@ class CompiledStepMachine(CacheMachine):
         for i in range(steps):
             k, v, queries = self._fill(seed + i)
             expected = self.ref.append_decode(k, v)
-            (got,), _ = self._compiled()(*(self.backend.from_numpy(a) for a in (k, v, queries)))
+            (got,) = self._compiled()(*(self.backend.from_numpy(a) for a in (k, v, queries)))
             assert_read_matches_model(self.model.append(k, v), expected, queries)
             _assert_within_bound(expected, got, queries, self.backend)
 
@@ -339,11 +339,11 @@ def test_switch_step_reads_plain_then_converted(backend) -> None:
     step = backend.module("caches.compiled").compile_decode(attend_each, [cache])
     for seed, converted_fields in (1, 5), (2, 5):
         k, v, queries = _decode_args(backend, seed)
-        (got,), stored = step(k, v, queries)
+        (got,) = step(k, v, queries)
         want = eager.append_decode(k, v).attend(queries, 64**-0.5)
         assert cache.converted and eager.converted and cache.offset == eager.offset
         assert backend.to_numpy(got).dtype == backend.to_numpy(want).dtype
-        assert len(stored[0]) == converted_fields
+        assert len(cache.storage.stored_fields()) == converted_fields
         assert_same_state_bits(backend, cache, eager)
     assert len(step.graphs) == 2
 
@@ -361,7 +361,7 @@ def test_deferred_checks_record_the_rank(backend) -> None:
     v[0, 0, 0, 9] = np.inf  # every value group of the row NaN (TQ-6)
     queries = _queries(7, 64, np.float32)
     args = [backend.from_numpy(a) for a in (k, v, queries)]
-    (got,), _ = step(*args)
+    (got,) = step(*args)
     want = eager.append_decode(*args[:2]).attend(args[2], 64**-0.5)
     model.append_decode(k, v)
     got, want = backend.to_numpy(got), backend.to_numpy(want)
@@ -382,7 +382,7 @@ def test_deferred_checks_record_the_rank(backend) -> None:
     for cache in compiled, eager, model:
         cache.trim(3)
     args = _decode_args(backend, 9, dtype="float32")
-    (got,), _ = step(*args)
+    (got,) = step(*args)
     eager.append_decode(*args[:2])
     k, v, queries = (backend.to_numpy(a) for a in args)
     assert np.isfinite(backend.to_numpy(got)).all()

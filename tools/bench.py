@@ -333,9 +333,7 @@ def compiled_step(
         return [trace.append_decode(k, v).attend(q, scale) for trace in traces]
 
     step = compile_decode(step_fn, layer_caches)
-    # The outputs alone, as a decode loop evaluates them: the stored buffers are evaluated
-    # by the next step, which writes them in place (with the outputs they would be copied).
-    return lambda: step(k, v, q)[0]
+    return lambda: step(k, v, q)
 
 
 def encode_rows(positions: int, repeats: int) -> list[Row]:
@@ -367,6 +365,7 @@ def _arrays(result: object) -> list[mx.array]:
 
 
 def print_rows(rows: list[Row]) -> None:
+    """The rows, table by table."""
     width = max(len(row.what) for row in rows)
     for table in ("step", "compiled", "attend", "encode"):
         chosen = [row for row in rows if row.table == table]
@@ -445,11 +444,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         bandwidth = read_bandwidth(4 if args.quick else 1024, args.repeats)
         print(f"plain read bandwidth: {bandwidth / 1e12:.2f} TB/s")
     rows = []
+    # Each context's tables as soon as they are measured: a run cut short keeps them.
     for context in args.contexts:
-        rows += step_rows(context, kinds, args.layers, args.repeats, bandwidth, args.compiled_only)
+        measured = step_rows(
+            context, kinds, args.layers, args.repeats, bandwidth, args.compiled_only
+        )
+        print_rows(measured)
+        rows += measured
     if not args.compiled_only:
-        rows += encode_rows(args.encode_positions, args.repeats)
-    print_rows(rows)
+        measured = encode_rows(args.encode_positions, args.repeats)
+        print_rows(measured)
+        rows += measured
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

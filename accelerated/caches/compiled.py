@@ -47,10 +47,8 @@ class CompiledDecode(compiled.CompiledDecode):
 
 def compile_decode(step_fn: Callable[..., Any], caches: Sequence[Any]) -> CompiledDecode:
     """COMPILE-6: `step_fn(traces, *args)` over the MLX `caches`, compiled; returns
-    `step(*args) -> (outputs, stored)`, where `stored` are the caches' buffers with the
-    step's writes. Evaluate the outputs (`mx.eval(outputs)`) and leave the buffers to the
-    next step, whose evaluation writes them in place (or to whatever reads them first).
-    Evaluated together with the outputs (`mx.eval(outputs, stored)`), a write cannot take
-    over a buffer the step's read still holds, and copies it: a plain cache's whole
-    buffer every step."""
+    `step(*args) -> outputs`. The caches' buffers with the step's writes are left to
+    whatever reads them next (the next step, whose evaluation writes them in place):
+    evaluated together with the outputs, a write could not take over a buffer the
+    step's read still holds, and would copy it."""
     return CompiledDecode(step_fn, caches)

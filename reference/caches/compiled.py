@@ -255,8 +255,7 @@ KEPT_GRAPHS = 4
 
 class CompiledDecode:
     """COMPILE-6: `step_fn(traces, *args)` compiled once per tuple of slot keys and replayed;
-    each call commits every cache and returns the step's outputs with the stored fields to
-    evaluate along with them."""
+    each call commits every cache and returns the step's outputs."""
 
     def __init__(self, step_fn: Callable[..., Any], caches: Sequence[Any]) -> None:
         self.step_fn = step_fn
@@ -268,7 +267,7 @@ class CompiledDecode:
         """NumPy has no compiler: the traced step runs as written."""
         return graph
 
-    def __call__(self, *args: Any) -> tuple[Any, list[tuple[Any, ...]]]:
+    def __call__(self, *args: Any) -> Any:
         plans = [cache.prepare_decode_step() for cache in self.caches]
         slots = [cache.decode_slot(plan) for cache, plan in zip(self.caches, plans, strict=True)]
         inputs = [cache.decode_inputs(plan) for cache, plan in zip(self.caches, plans, strict=True)]
@@ -279,11 +278,9 @@ class CompiledDecode:
                 del self.graphs[next(iter(self.graphs))]
             self.graphs[key] = self.compile_graph(self._graph(slots))
         outputs, step_outputs = self.graphs[key](args, inputs)
-        stored = [
+        for cache, slot, outs in zip(self.caches, slots, step_outputs, strict=True):
             cache.commit_decode_step(slot, outs)
-            for cache, slot, outs in zip(self.caches, slots, step_outputs, strict=True)
-        ]
-        return outputs, stored
+        return outputs
 
     def _graph(self, slots: Sequence[DecodeSlot]) -> Callable[..., Any]:
         """The step as a function of (args, inputs): traces stand in for the caches."""
@@ -298,5 +295,5 @@ class CompiledDecode:
 
 def compile_decode(step_fn: Callable[..., Any], caches: Sequence[Any]) -> CompiledDecode:
     """COMPILE-6: the decode step `step_fn(traces, *args)` over `caches`, one trace per
-    cache in order, as a callable `step(*args) -> (outputs, stored)`."""
+    cache in order, as a callable `step(*args) -> outputs`."""
     return CompiledDecode(step_fn, caches)
