@@ -241,8 +241,8 @@ CATALOGUE = (
     Mutant(
         "ring-mask-slides-kept",
         "reference/caches/masks.py",
-        "        in_window = (key_positions < keep) | (distance < max_size - keep)\n",
-        "        in_window = distance < max_size\n",
+        "        return (key_positions < keep) | (distance < max_size - keep)\n",
+        "        return distance < max_size\n",
         "a ring's own window ignores keep: kept positions slide out, as in mlx-lm's span "
         "masks (MASK-3)",
         (f"{RING}::test_span_window_with_keep", f"{MASKS}::{RING_MASKS}"),
