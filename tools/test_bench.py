@@ -54,3 +54,10 @@ def test_kinds_picks_kinds_by_name(tmp_path: Path) -> None:
     assert {row["what"] for row in rows} == {name for name in bench.KINDS if "Rotating" in name}
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--kinds", "no such kind"])
+
+
+def test_a_whole_name_picks_that_kind_alone() -> None:
+    assert [name for name in bench.KINDS if bench.picks("KVCache", name)] == ["KVCache"]
+    contained = [name for name in bench.KINDS if bench.picks("QuantizedKVCache 4-bit", name)]
+    assert contained == [name for name in bench.KINDS if "QuantizedKVCache 4-bit" in name]
+    assert len(contained) > 1

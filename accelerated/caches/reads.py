@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 
 import mlx.core as mx
@@ -169,7 +169,7 @@ class ReadMethods(reads.ReadMethods):
         fields = tuple(copy.copy(field) for field in self._fields)
         rows = self._live_rows()
         keys, values, codebook, signs = self._stored_sides(fields)
-        keys = replace(keys, codes=keys.codes[:, :, :rows])
+        keys = keys._replace(codes=keys.codes[:, :, :rows])
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
 
         def decoded() -> Read:
