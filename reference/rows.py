@@ -173,7 +173,7 @@ def merge(caches: Sequence[Cache]) -> Cache:
                 f"merge joins caches of one layout: {first.signature()} {params} and "
                 f"{cache.signature()} {parameters(cache, family)}"
             )
-        if replace(cache.layout, batch=0) != replace(first.layout, batch=0):
+        if cache.layout._replace(batch=0) != first.layout._replace(batch=0):
             raise ValueError(f"merge joins caches of one layout: {first.layout} and {cache.layout}")
     states = [cache.state() for cache in caches]
     xp = _xp(first)

@@ -169,7 +169,7 @@ CATALOGUE = (
     Mutant(
         "turboquant-rejects-format-mixing",
         "reference/caches/turboquant.py",
-        "        return replace(super()._append_layout(k, v), dtype=READ_DTYPE)\n",
+        "        return super()._append_layout(k, v)._replace(dtype=READ_DTYPE)\n",
         "        return super()._append_layout(k, v)\n",
         "TurboQuant storage fixes the input format (TQC-2)",
         (f"{TQC}::test_turboquant_kv_cache_machine",),

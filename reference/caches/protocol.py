@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 A = TypeVar("A")
 
@@ -19,9 +19,9 @@ A = TypeVar("A")
 Mask = Any
 
 
-@dataclass(frozen=True)
-class KvLayout:
-    """What stays fixed over a cache's life once its first append fixed it (CACHE-2)."""
+class KvLayout(NamedTuple):
+    """What stays fixed over a cache's life once its first append fixed it (CACHE-2). A
+    named tuple: every append makes one, in a fraction of a frozen dataclass's time."""
 
     batch: int
     kv_heads: int

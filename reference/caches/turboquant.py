@@ -5,7 +5,7 @@ Full-attention layers only: the seeds' TurboQuant cache is never a ring.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -82,7 +82,7 @@ class TurboQuantKVCache(GrowingStorage):
     def _append_layout(self, k: np.ndarray, v: np.ndarray) -> KvLayout:
         # The fields do not record the input format (encoding widens exactly), so the
         # layout holds the read dtype and appends of any float format may follow (TQC-2).
-        return replace(super()._append_layout(k, v), dtype=READ_DTYPE)
+        return super()._append_layout(k, v)._replace(dtype=READ_DTYPE)
 
     def _encode(self, k: np.ndarray, v: np.ndarray) -> Fields:
         t = self.turboquant.encode(k, v, self.k_bits, self.v_bits)
@@ -175,7 +175,7 @@ class TurboQuantKVCache(GrowingStorage):
         window = cache.keys_and_values()
         if window is not None:
             assert cache.layout is not None
-            target.adopt_encoded(*window, replace(cache.layout, dtype=READ_DTYPE))
+            target.adopt_encoded(*window, cache.layout._replace(dtype=READ_DTYPE))
         target.carry_positions(cache)
         cache.release()
         return target
