@@ -282,6 +282,14 @@ CATALOGUE = (
     ),
     # -- the MLX backend ------------------------------------------------------------------
     Mutant(
+        "mlx-write-rows-one-late",
+        "accelerated/caches/reads.py",
+        "        rows = mx.array([start])\n",
+        "        rows = mx.array([start + 1])\n",
+        "the MLX storages write new positions one row past where they belong (CACHE-3)",
+        (f"{KV}::test_kv_cache_machine", f"{RING}::test_rotating_kv_cache_machine"),
+    ),
+    Mutant(
         "mlx-affine-round-half-away",
         "accelerated/affine.py",
         "    steps = mx.round((groups - bias[..., None]) / scale[..., None])\n",

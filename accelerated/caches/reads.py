@@ -6,7 +6,6 @@ apart."""
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,6 +154,17 @@ class ReadMethods(reads.ReadMethods):
         # no copy (CACHE-3, CACHE-8).
         return rows
 
+    def _write_rows(self, start: int, parts: Fields) -> None:
+        # New arrays, the fields rebound to them: no stored array object is changed, so a
+        # read, fetch or state holding the old ones needs no copy. (Evaluated, an update
+        # still writes its buffer in place when nothing else holds it.)
+        assert self._fields is not None
+        rows = mx.array([start])
+        self._fields = tuple(
+            mx.slice_update(field, part, rows, (2,))
+            for field, part in zip(self._fields, parts, strict=True)
+        )
+
     def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
         """A read without a mask is a decode read (READ-2): append, then READ-7's read of
         the stored rows, decoded only if its attention needs them. Rows of their own
@@ -163,10 +173,10 @@ class ReadMethods(reads.ReadMethods):
             return super().append_and_read(k, v, mask)
         self._append(k, v)
         assert self._fields is not None and self.layout is not None
-        # Snapshots of the buffers as they are now (a later write rebinds the fields' own
-        # arrays, never these), whole: only the key codes are cut to the live rows, which
-        # tells the kernels how many there are. No op but that one slice.
-        fields = tuple(copy.copy(field) for field in self._fields)
+        # The buffers as they are now (a later write rebinds the fields, never changes
+        # these), whole: only the key codes are cut to the live rows, which tells the
+        # kernels how many there are. No op but that one slice.
+        fields = self._fields
         rows = self._live_rows()
         keys, values, codebook, signs = self._stored_sides(fields)
         keys = keys._replace(codes=keys.codes[:, :, :rows])

@@ -57,8 +57,7 @@ class GrowingStorage(FieldStorage):
         prev = self.offset
         if self._fields is None or prev + L > self.capacity:
             self._fields = self._grown(new, prev, L)
-        for field, part in zip(self._fields, new, strict=True):
-            field[:, :, prev : prev + L] = part
+        self._write_rows(prev, new)
         self.offset = prev + L
         self._layout = layout
 
@@ -92,9 +91,7 @@ class GrowingStorage(FieldStorage):
 
     def _write_decoded(self, new: Fields, position: int) -> None:
         """COMPILE-5: CACHE-3 steps 2 and 3 for the position the plan made room for."""
-        assert self._fields is not None
-        for field, part in zip(self._fields, new, strict=True):
-            field[:, :, position : position + 1] = part
+        self._write_rows(position, new)
         self.offset = position + 1
 
     def _live_rows(self) -> int:

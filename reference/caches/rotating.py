@@ -119,9 +119,7 @@ class RingStorage(FieldStorage):
 
     def _write_decoded(self, new: Fields, position: int) -> None:
         """RING-2 step 4 at row `position`, the ring index steps 1 .. 3 chose."""
-        assert self._fields is not None
-        for field, part in zip(self._fields, new, strict=True):
-            field[:, :, position : position + 1] = part
+        self._write_rows(position, new)
         self.offset += 1
         self._index = position + 1
 

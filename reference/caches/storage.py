@@ -70,6 +70,14 @@ class FieldStorage(DecodeStepMethods, ReadMethods):
     def _append(self, k: np.ndarray, v: np.ndarray) -> None:
         """Store the new positions (checked first, CACHE-2); no fetch."""
 
+    def _write_rows(self, start: int, parts: Fields) -> None:
+        """Write `parts` [B, H, L, *] over the stored rows start .. start + L - 1 (CACHE-3
+        step 2, RING-2 step 4)."""
+        assert self._fields is not None
+        L = parts[0].shape[2]
+        for field, part in zip(self._fields, parts, strict=True):
+            field[:, :, start : start + L] = part
+
     @abstractmethod
     def _live_rows(self) -> int:
         """How many leading buffer rows `_live` returns."""
