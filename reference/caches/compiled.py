@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,17 +31,17 @@ from kvspec.reference.deferred import failure_message
 WINDOW_STEP = 32
 
 
-@dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(NamedTuple):
     """Where the step writes and what it reads (COMPILE-2): the buffer row of the new
-    position, and how many leading buffer rows the step's read sees, the new one included."""
+    position, and how many leading buffer rows the step's read sees, the new one included.
+    (The step's records are named tuples: each layer makes three per step, and a tuple is
+    made in a fraction of a frozen dataclass's time.)"""
 
     write_position: int
     active_length: int
 
 
-@dataclass(frozen=True)
-class DecodeRoom:
+class DecodeRoom(NamedTuple):
     """The growth half of a one-position append, not yet adopted (COMPILE-2): the plan (a
     ring's write position is its index after RING-2 steps 1 .. 3) and the buffers with
     room for the position."""
@@ -51,8 +50,7 @@ class DecodeRoom:
     fields: tuple[Any, ...]
 
 
-@dataclass(frozen=True)
-class DecodeSlot:
+class DecodeSlot(NamedTuple):
     """One cache's part of a step's graph (COMPILE-3).
 
     key: names the graph's shape: the storage kind and parameters, the read's kernels, the
