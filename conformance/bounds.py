@@ -101,7 +101,10 @@ def attention_bound(
     score_error = scale * magnitude * (2 * u + (D + 6) * roundoff)
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
     tau = smallest_subnormal(keys.dtype)
-    bound = largest_value * (np.expm1(2 * score_error) + 4 * u + (T + 6) * roundoff) + tau
+    # Scores near float32's limit have an error bound past float64's: no bound (inf).
+    with np.errstate(over="ignore"):
+        softmax_error = np.expm1(2 * score_error)
+    bound = largest_value * (softmax_error + 4 * u + (T + 6) * roundoff) + tau
     return bound.reshape(B, Hq, N, 1)
 
 
