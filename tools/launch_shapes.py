@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+from bench import samples
 
 from kvspec.accelerated import attention_kernels, caches
 
@@ -41,18 +41,9 @@ def shape(text: str) -> tuple[int, int, int]:
 
 
 def device_us(run: Callable[[], list[mx.array]], repeats: int) -> float:
-    """Fastest evaluated call of `run` less its graph building, µs per layer."""
-    for _ in range(2):
-        mx.eval(run())
-    walls, builds = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        graph = run()
-        built = time.perf_counter()
-        mx.eval(graph)
-        walls.append(time.perf_counter() - start)
-        builds.append(built - start)
-    return (min(walls) - min(builds)) / LAYERS * 1e6
+    """Fastest evaluated call of `run` less its fastest graph building, µs per layer."""
+    (sample,) = samples([run], repeats)
+    return (min(sample.times) - min(sample.builds)) / LAYERS * 1e6
 
 
 def format_times(
