@@ -284,8 +284,8 @@ CATALOGUE = (
     Mutant(
         "mlx-write-rows-one-late",
         "accelerated/caches/reads.py",
-        "        rows = mx.array([start])\n",
-        "        rows = mx.array([start + 1])\n",
+        "            field[:, :, start : start + part.shape[2]] = part\n",
+        "            field[:, :, start + 1 : start + 1 + part.shape[2]] = part\n",
         "the MLX storages write new positions one row past where they belong (CACHE-3)",
         (f"{KV}::test_kv_cache_machine", f"{RING}::test_rotating_kv_cache_machine"),
     ),

@@ -6,6 +6,7 @@ apart."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,15 +156,18 @@ class ReadMethods(reads.ReadMethods):
         return rows
 
     def _write_rows(self, start: int, parts: Fields) -> None:
-        # New arrays, the fields rebound to them: no stored array object is changed, so a
-        # read, fetch or state holding the old ones needs no copy. (Evaluated, an update
-        # still writes its buffer in place when nothing else holds it.)
+        # New array objects, the fields rebound to them: no stored array object is changed,
+        # so a read, fetch or state holding the old ones needs no copy. (Evaluated, an
+        # update still writes its buffer in place when nothing else holds it.) The start is
+        # a Python int, a static slice write: mx.slice_update with an array start costs
+        # about 0.5 ms per layer on MLX's CUDA backend (0.32.4, docs/performance.md).
         assert self._fields is not None
-        rows = mx.array([start])
-        self._fields = tuple(
-            mx.slice_update(field, part, rows, (2,))
-            for field, part in zip(self._fields, parts, strict=True)
-        )
+        written = []
+        for field, part in zip(self._fields, parts, strict=True):
+            field = copy.copy(field)
+            field[:, :, start : start + part.shape[2]] = part
+            written.append(field)
+        self._fields = tuple(written)
 
     def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
         """A read without a mask is a decode read (READ-2): append, then READ-7's read of
