@@ -221,6 +221,26 @@ def quantize_deferred(
     return wq, scales, biases, failure
 
 
+def quantize_deferred_pair(
+    k: mx.array,
+    v: mx.array,
+    group_size: int = 64,
+    bits: int = 4,
+    prior: mx.array | None = None,
+) -> tuple[mx.array, ...]:
+    """`quantize_deferred` of keys, then of values with the keys' failure as prior: k's
+    (wq, scales, biases), v's, and the failure of both. On CUDA, keys and values of one
+    shape and dtype are one kernel launch (a decode step's encode is one op)."""
+    validate_layout(k, group_size, bits)
+    validate_layout(v, group_size, bits)
+    same = k.shape == v.shape and k.dtype == v.dtype
+    if same and k.size > 0 and _default_encoder() == "cuda":
+        return affine_kernels.quantize_pair_groups(k, v, group_size, bits, prior)
+    *keys, failure = quantize_deferred(k, group_size, bits, prior)
+    *values, failure = quantize_deferred(v, group_size, bits, failure)
+    return (*keys, *values, failure)
+
+
 def dequantize(
     wq: mx.array,
     scales: mx.array,

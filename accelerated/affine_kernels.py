@@ -34,11 +34,12 @@ _SOURCE = r"""
     const unsigned int warp = threadIdx.x >> 5;
     if (threadIdx.x == 0) block_rank = 0;
     __syncthreads();
-    const unsigned long long group = (unsigned long long)blockIdx.x * WARPS_PER_BLOCK + warp;
+    const unsigned long long index = (unsigned long long)blockIdx.x * WARPS_PER_BLOCK + warp;
     unsigned long long size = 1;
     for (int axis = 0; axis < w_ndim; ++axis) size *= w_shape[axis];
-    const bool active = group < size / GROUP;
-    const T* src = w + (active ? group : 0) * GROUP;
+    const unsigned long long groups = size / GROUP;
+__SELECT__
+    const T* src = source + (active ? group : 0) * GROUP;
     float x[PER_LANE];
     float w_min = __int_as_float(0x7f800000);
     float w_max = -w_min;
@@ -82,19 +83,40 @@ _SOURCE = r"""
             unsigned int code = own[i];
             word |= shift >= 0 ? code << shift : code >> -shift;
         }
-        wq[group * WORDS + lane] = word;
+        words[group * WORDS + lane] = word;
     }
     if (active && lane == 0) {
         T nan_value;
         const unsigned int nan_bits = NAN_BITS;
         memcpy(&nan_value, &nan_bits, sizeof(T));  // little-endian: the low bytes
-        scales[group] = failure ? nan_value : static_cast<T>(scale);
-        biases[group] = static_cast<T>(failure ? 0.0f : bias);
+        group_scales[group] = failure ? nan_value : static_cast<T>(scale);
+        group_biases[group] = static_cast<T>(failure ? 0.0f : bias);
         if (failure) atomicMax(&block_rank, failure);
     }
     __syncthreads();
     // The block's rank folded into the prior one (DEFER-3); the caller folds the blocks.
     if (threadIdx.x == 0) total[blockIdx.x] = max(prior[0], block_rank);
+"""
+
+
+# Which tensor a warp's group comes from, and where its codes, scale and bias go.
+_ONE_TENSOR = """
+    const bool active = index < groups;
+    const unsigned long long group = index;
+    const T* source = w;
+    unsigned int* words = wq;
+    T* group_scales = scales;
+    T* group_biases = biases;
+"""
+# Keys' groups first, then the values' (k and v share one shape).
+_TWO_TENSORS = """
+    const bool active = index < 2 * groups;
+    const bool second = index >= groups;
+    const unsigned long long group = second ? index - groups : index;
+    const T* source = second ? v : w;
+    unsigned int* words = second ? v_wq : wq;
+    T* group_scales = second ? v_scales : scales;
+    T* group_biases = second ? v_biases : biases;
 """
 
 
@@ -104,7 +126,17 @@ def _kernel() -> object:
         name="kvspec_affine_quantize",
         input_names=["w", "prior"],
         output_names=["wq", "scales", "biases", "total"],
-        source=compact(_SOURCE),
+        source=compact(_SOURCE.replace("__SELECT__", _ONE_TENSOR)),
+    )
+
+
+@cache
+def _pair_kernel() -> object:
+    return mx.fast.cuda_kernel(
+        name="kvspec_affine_quantize_pair",
+        input_names=["w", "v", "prior"],
+        output_names=["wq", "scales", "biases", "v_wq", "v_scales", "v_biases", "total"],
+        source=compact(_SOURCE.replace("__SELECT__", _TWO_TENSORS)),
     )
 
 
@@ -120,11 +152,39 @@ def quantize_groups(
     """(wq, scales, biases, failure) of `w` [..., D]: failure (uint32 [1]) is the largest
     DEFER-2 rank of any group and of `prior` (uint32 [1]). One launch when the groups fit one
     block (a decode step's do); else the blocks' ranks are folded by one more op."""
+    wq, scales, biases, failure = _launch(_kernel(), (w,), group_size, bits, prior)
+    return wq, scales, biases, failure
+
+
+def quantize_pair_groups(
+    k: mx.array, v: mx.array, group_size: int, bits: int, prior: mx.array | None = None
+) -> tuple[mx.array, ...]:
+    """`quantize_groups` of keys and values of one shape and dtype in one launch: their six
+    fields (k's wq, scales, biases, then v's) and the failure of both and of `prior`. A
+    decode step's encode is then one op."""
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(
+            f"keys and values of one launch share shape and dtype, got {tuple(k.shape)} "
+            f"{k.dtype} and {tuple(v.shape)} {v.dtype}"
+        )
+    return _launch(_pair_kernel(), (k, v), group_size, bits, prior)
+
+
+def _launch(
+    kernel: object,
+    tensors: tuple[mx.array, ...],
+    group_size: int,
+    bits: int,
+    prior: mx.array | None,
+) -> tuple[mx.array, ...]:
+    """Every group of `tensors` (one shape and dtype) through `kernel`: each tensor's
+    (wq, scales, biases), then the failure."""
+    w = tensors[0]
     *lead, D = w.shape
-    n_groups = w.size // group_size
+    n_groups = len(tensors) * (w.size // group_size)
     blocks = -(-n_groups // _WARPS_PER_BLOCK)
-    wq, scales, biases, totals = _kernel()(
-        inputs=[w, no_failure() if prior is None else prior],
+    *fields, totals = kernel(
+        inputs=[*tensors, no_failure() if prior is None else prior],
         template=[
             ("T", w.dtype),
             ("GROUP", group_size),
@@ -133,8 +193,10 @@ def quantize_groups(
         ],
         grid=(n_groups * 32, 1, 1),
         threadgroup=(_WARPS_PER_BLOCK * 32, 1, 1),
-        output_shapes=[(*lead, D * bits // 32)] + [(*lead, D // group_size)] * 2 + [(blocks,)],
-        output_dtypes=[mx.uint32, w.dtype, w.dtype, mx.uint32],
+        output_shapes=[(*lead, D * bits // 32), (*lead, D // group_size), (*lead, D // group_size)]
+        * len(tensors)
+        + [(blocks,)],
+        output_dtypes=[mx.uint32, w.dtype, w.dtype] * len(tensors) + [mx.uint32],
     )
     failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
-    return wq, scales, biases, failure
+    return (*fields, failure)

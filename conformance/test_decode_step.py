@@ -114,6 +114,37 @@ def test_affine_deferred_quantize_stores_the_reference_bits(
     assert failure_message(affine.DEFERRED_CHECKS, expected[3]).startswith("input holds NaN")
 
 
+@pytest.mark.parametrize("failing_side", ["keys", "values"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 128), (1, 8, 300, 128)])
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_affine_deferred_pair_stores_what_two_quantizes_store(
+    backend: Backend, shape: tuple[int, ...], bits: int, dtype: str, failing_side: str
+) -> None:
+    """The MLX backend's keys-and-values encode (one launch on CUDA; a decode step's and, in
+    more blocks, a prefill's): each side the reference's bits, the failure the largest of
+    both sides' and the prior's (DEFER-2, DEFER-3), whichever side fails."""
+    pair = getattr(backend.module("affine"), "quantize_deferred_pair", None)
+    if pair is None:
+        pytest.skip("this backend encodes keys and values apart")
+    rng = np.random.default_rng(bits)
+    k, v = _normal(rng, shape, dtype), _normal(rng, shape, dtype)
+    failing, other = (k, v) if failing_side == "keys" else (v, k)
+    failing[-1, -1, -1, 7] = np.inf  # one side holds a NaN-ranked group (rank 2)
+    if dtype == "float32":
+        other[0, 0, 0, :2] = [3e38, -3e38]  # the other an overflowing range (AFF-7, rank 1)
+    expected_k = affine.quantize_deferred(k, 64, bits)
+    expected_v = affine.quantize_deferred(v, 64, bits)
+    for prior in (0, 1):
+        keys, values, ranked = (backend.from_numpy(a) for a in (k, v, np.array([prior], np.uint32)))
+        got = [backend.to_numpy(a) for a in pair(keys, values, 64, bits, ranked)]
+        for slot, (a, e) in enumerate(
+            zip(got[:6], (*expected_k[:3], *expected_v[:3]), strict=True)
+        ):
+            assert_same_bits(a, e, f"slot {slot}")
+        assert rank_of(got[6]) == max(expected_k[3], expected_v[3], prior) == 2
+
+
 # READ-7: decode reads of every storage kind, against the reference's read of the same rows.
 READ_KINDS = {
     "kv": lambda c: c.KVCache(),

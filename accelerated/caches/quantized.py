@@ -26,12 +26,13 @@ class AffineFields(quantized.AffineFields):
     value_magnitudes = (4, 5)
 
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
-        """DEFER-1 .. DEFER-3 with the running rank folded inside the encodes: no op of its
-        own (one launch each for k and v on CUDA)."""
+        """DEFER-1 .. DEFER-3 with the running rank folded inside the encode: no op of its
+        own (one launch for k and v together on CUDA)."""
         self._check_head_dims(k, v)
-        *keys, failure = affine.quantize_deferred(k, self.group_size, self.bits, running(self))
-        *values, failure = affine.quantize_deferred(v, self.group_size, self.bits, failure)
-        return (*keys, *values), failure
+        *fields, failure = affine.quantize_deferred_pair(
+            k, v, self.group_size, self.bits, running(self)
+        )
+        return tuple(fields), failure
 
     def _stored_sides(
         self, fields: Fields
