@@ -218,7 +218,9 @@ def quantize_deferred(
     failure = failure.astype(mx.uint32).reshape(1)
     if prior is not None:
         failure = mx.maximum(prior, failure)
-    return wq, scales, biases, failure
+    # Evaluating what is stored evaluates the rank (DEFER-3; the kernel's fields and rank
+    # come from one launch, these from separate ops).
+    return mx.depends(wq, failure), scales, biases, failure
 
 
 def quantize_deferred_pair(

@@ -428,14 +428,18 @@ def encode_deferred(
     failure = no_failure() if prior is None else prior
     for i, failed_here in reversed(list(enumerate(failed))):
         failure = mx.where(failed_here, mx.maximum(failure, len(DEFERRED_CHECKS) - i), failure)
+    failure = failure.astype(mx.uint32)
+    k_idx = pack_bits(_key_indices(codes, k_bits).reshape(k.shape), k_bits)
     tensor = TurboQuantTensor(
-        k_idx=pack_bits(_key_indices(codes, k_bits).reshape(k.shape), k_bits),
+        # Evaluating what is stored evaluates the rank (DEFER-3; the kernel's fields and
+        # rank come from one launch, these from separate ops).
+        k_idx=mx.depends(k_idx, failure),
         k_scales=mx.where(key_failed, nan16, scales),
         k_zeros=mx.where(key_failed, mx.array(0, FLOAT16), zeros),
         v_packed=pack_bits(indices.reshape(v.shape), v_bits),
         v_scales=mx.where(value_failed, nan16, v_scales),
     )
-    return tensor, failure.astype(mx.uint32)
+    return tensor, failure
 
 
 def stored_bits(t: TurboQuantTensor, head_dim: int) -> tuple[int, int]:

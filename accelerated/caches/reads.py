@@ -260,13 +260,12 @@ class ReadMethods(reads.ReadMethods):
         return mx.zeros((1,), mx.uint32) if failure is None else failure
 
     def _record_failure(self, fields: Fields, failure: mx.array) -> Fields:
-        """DEFER-3: keep the running rank as a lazy uint32 [1], and return the fields to
-        store with the first tied to it, so evaluating what was stored evaluates the rank:
-        its graph stays one step deep however long a decode loop runs, and no step reads
-        it on the host."""
+        """DEFER-3: keep the running rank as a lazy uint32 [1]. The encoders hand back
+        fields whose evaluation evaluates it (on CUDA one launch makes both; the MLX-ops
+        encoders tie the first field to it), so its graph stays one step deep however long
+        a decode loop runs, and no step reads it on the host."""
         self._failure = failure
-        first, *rest = fields
-        return (mx.depends(first, failure), *rest)
+        return fields
 
 
 def running(storage: ReadMethods) -> mx.array | None:
