@@ -365,6 +365,12 @@ __device__ __forceinline__ void attend_stage(
 _MMA_HEADER = r"""
 namespace kvspec_attn {
 
+// A chunk body's tag: WHOLE true when all 8 of its positions are before the split's end.
+template <bool B>
+struct Whole {
+    static constexpr bool value = B;
+};
+
 __device__ __forceinline__ unsigned int tf32(float x) {
     // x rounded to the nearest TF32 (ties away), for the operands computed once per block
     // or per 8 positions (the query, the weights). Stored operands go in as float32 bits:
@@ -439,7 +445,7 @@ _PARTIAL_SETUP = (
     r"""    using namespace kvspec_attn;
     constexpr float LOG2E = 1.4426950408889634f;
     const float NEG_INF = -__int_as_float(0x7f800000);
-    extern __shared__ float shared[];
+    extern __shared__ __align__(16) float shared[];
     __shared__ float codebook[TABLE];
 
     const int lane = threadIdx.x & 31;
@@ -562,9 +568,11 @@ _MMA_BODY = r"""
     constexpr int KSTEPS = DK / 8;
     constexpr int MTILES = DV / 16;
 
-    // The query fragment, the same for every warp of the block, in shared memory
-    // (registers go to the decode): step j's (A[row][col], A[row][col + 4]) at [j][lane].
-    __shared__ uint2 query_fragment[KSTEPS][32];
+    // The query fragment, the same for every warp of the block, in shared memory past the
+    // warps' merge (registers go to the decode): step j's A operand (A[row][col], 0,
+    // A[row][col + 4], 0) at [j][lane], one 16-byte load straight into the MMA's registers.
+    constexpr int MERGED = (WARPS * G * DV + 2 * WARPS * G + 3) / 4 * 4;
+    uint4 (*query_fragment)[32] = reinterpret_cast<uint4 (*)[32]>(shared + MERGED);
     if (warp == 0) {
         const long long q_row = (long long)b * queries_strides[0] +
             (long long)(h * G + (row < G ? row : 0)) * queries_strides[1];
@@ -576,7 +584,7 @@ _MMA_BODY = r"""
                 const long long at = q_row + (col * EK + 2 * j + i) * queries_strides[3];
                 a[i] = row < G ? tf32(static_cast<float>(queries[at]) * factor) : 0u;
             }
-            query_fragment[j][lane] = make_uint2(a[0], a[1]);
+            query_fragment[j][lane] = make_uint4(a[0], 0u, a[1], 0u);
         }
     }
     __syncthreads();
@@ -592,7 +600,10 @@ _MMA_BODY = r"""
     }
 
     // Warp w takes chunks w, w + WARPS, ... of 8 positions; a chunk's raw rows load while
-    // the one before it computes.
+    // the one before it computes. Only a split's last chunk can be partial: it has a body
+    // of its own (WHOLE false) that decodes rows past the end as zeros, after the loop, so
+    // that whole chunks spend no instruction on that test.
+    const int whole_chunks = end > start ? (end - start) / 8 : 0;
     const int chunks = end > start ? (end - start + 7) / 8 : 0;
     auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
         const int tk = start + 8 * c + row;
@@ -601,19 +612,14 @@ _MMA_BODY = r"""
         if (tv < end) load_value(v0, tv, row);
         if (tv + 1 < end) load_value(v1, tv + 1, row);
     };
-    KeyRow next_key;
-    ValueRow next_v0, next_v1;
-    if (warp < chunks) load(warp, next_key, next_v0, next_v1);
-    for (int c = warp; c < chunks; c += WARPS) {
-        const KeyRow key = next_key;
-        const ValueRow v0 = next_v0;
-        const ValueRow v1 = next_v1;
-        if (c + WARPS < chunks) load(c + WARPS, next_key, next_v0, next_v1);
+    auto attend_chunk = [&](auto whole, int c, const KeyRow& key, const ValueRow& v0,
+                            const ValueRow& v1) {
+        constexpr bool WHOLE = decltype(whole)::value;
         const int t0 = start + 8 * c;
         const int tv = t0 + 2 * col;
 
         float k[EK];
-        if (t0 + row < end) {
+        if (WHOLE || t0 + row < end) {
             key.decode(codebook, col, k);
         } else {
             #pragma unroll
@@ -622,12 +628,12 @@ _MMA_BODY = r"""
         float s[2][4] = {};  // two accumulation chains
         #pragma unroll
         for (int j = 0; j < KSTEPS; ++j) {
-            const uint2 a = query_fragment[j][lane];
-            mma_tf32(s[j & 1], a.x, 0u, a.y, 0u, __float_as_uint(k[2 * j]),
+            const uint4 a = query_fragment[j][lane];
+            mma_tf32(s[j & 1], a.x, a.y, a.z, a.w, __float_as_uint(k[2 * j]),
                      __float_as_uint(k[2 * j + 1]));
         }
-        const float s0 = tv < end ? s[0][0] + s[1][0] : NEG_INF;
-        const float s1 = tv + 1 < end ? s[0][1] + s[1][1] : NEG_INF;
+        const float s0 = WHOLE || tv < end ? s[0][0] + s[1][0] : NEG_INF;
+        const float s1 = WHOLE || tv + 1 < end ? s[0][1] + s[1][1] : NEG_INF;
 
         // Online softmax of head `row` over the chunk (its 8 scores lie in 4 lanes). A NaN
         // score (DEFER-1) passes fmaxf by and makes its weight NaN, even where no finite
@@ -646,13 +652,13 @@ _MMA_BODY = r"""
         const float alpha_odd = __shfl_sync(0xffffffffu, alpha, 8 * col + 4);
 
         float y0[EV], y1[EV];
-        if (tv < end) {
+        if (WHOLE || tv < end) {
             v0.decode(codebook, row, y0);
         } else {
             #pragma unroll
             for (int j = 0; j < EV; ++j) y0[j] = 0.0f;
         }
-        if (tv + 1 < end) {
+        if (WHOLE || tv + 1 < end) {
             v1.decode(codebook, row, y1);
         } else {
             #pragma unroll
@@ -675,7 +681,20 @@ _MMA_BODY = r"""
             mma_tf32(acc[i], __float_as_uint(y0[2 * i]), __float_as_uint(y0[2 * i + 1]),
                      __float_as_uint(y1[2 * i]), __float_as_uint(y1[2 * i + 1]), w0, w1);
         }
+    };
+    KeyRow next_key;
+    ValueRow next_v0, next_v1;
+    if (warp < chunks) load(warp, next_key, next_v0, next_v1);
+    int c = warp;
+    for (; c < whole_chunks; c += WARPS) {
+        const KeyRow key = next_key;
+        const ValueRow v0 = next_v0;
+        const ValueRow v1 = next_v1;
+        if (c + WARPS < chunks) load(c + WARPS, next_key, next_v0, next_v1);
+        attend_chunk(Whole<true>(), c, key, v0, v1);
     }
+    // The partial chunk, if any, is this warp's next (its rows are loaded).
+    if (c < chunks) attend_chunk(Whole<false>(), c, next_key, next_v0, next_v1);
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
 
@@ -908,7 +927,9 @@ class _Plan:
 
     partial_template: list
     merge_template: list
-    shared_bytes: int
+    #: Dynamic shared memory of pass 1 by body: the warps' merge; on tensor cores also the
+    #: query fragment (16 bytes per lane per 8 key elements), past the merge's 16-byte end.
+    shared_bytes: dict[bool, int]
 
 
 @cache
@@ -950,7 +971,8 @@ def _plan(
         ("OT", out_dtype),
         ("INV_SQRT_BITS", INV_SQRT_BITS.get(DV, 0)),
     ]
-    return _Plan(partial, merge, (WARPS * group * DV + 2 * WARPS * group) * 4)
+    merged = -(-(WARPS * group * DV + 2 * WARPS * group) // 4) * 16
+    return _Plan(partial, merge, {False: merged, True: merged + DK // 8 * 32 * 16})
 
 
 def _side_key(side: StoredSide) -> tuple:
@@ -1009,7 +1031,9 @@ def decode_attention(
             f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
         )
     slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1]), *_fields(slot[2])]
-    kernel = _partial_kernel(plan.shared_bytes, rows is not None, tensor_cores, slot is not None)
+    kernel = _partial_kernel(
+        plan.shared_bytes[tensor_cores], rows is not None, tensor_cores, slot is not None
+    )
     partial, stats = kernel(
         inputs=[
             queries,
