@@ -130,6 +130,38 @@ def eval_rows(calls: int) -> list[tuple[str, float]]:
         mx.eval(buffers)
 
     rows.append(("eval 32 slice writes in place, per write", per_call(writes, rounds) / 32))
+    # An array start makes the write MLX's DynamicSliceUpdate, whose CUDA copy runs one
+    # thread per element of the whole buffer (docs/performance.md).
+    start = mx.array([7])
+
+    def dynamic_writes() -> None:
+        # Rebound before the evaluation, so each update may write its buffer in place.
+        for i, buffer in enumerate(buffers):
+            buffers[i] = mx.slice_update(buffer, row, start, (2,))
+        mx.eval(buffers)
+
+    rows.append(
+        ("eval 32 slice writes at an array start, per write", per_call(dynamic_writes, rounds) / 32)
+    )
+    # Views: what reading fields out of one packed buffer would add (no kernel, no copy).
+    packed = mx.zeros((1, 8, 4096, 64), mx.uint32)
+    mx.eval(packed)
+    rows.append(
+        (
+            "eval 32 slice views, per view",
+            per_call(lambda: mx.eval([packed[:, :, :4000, 8:40] for _ in range(32)]), rounds) / 32,
+        )
+    )
+    rows.append(
+        (
+            "eval 32 slice views as float16, per view",
+            per_call(
+                lambda: mx.eval([packed[:, :, :4000, 8:40].view(mx.float16) for _ in range(32)]),
+                rounds,
+            )
+            / 32,
+        )
+    )
     return rows
 
 

@@ -19,6 +19,9 @@ def test_quick_run_prints_every_row(capsys) -> None:
         "eval 32 small ops, per op",
         "eval 128 small ops, per op",
         "eval 32 slice writes in place, per write",
+        "eval 32 slice writes at an array start, per write",
+        "eval 32 slice views, per view",
+        "eval 32 slice views as float16, per view",
     }
     assert expected <= set(rows)
     assert any("cuda_kernel" in name for name in rows) == mx.cuda.is_available()
