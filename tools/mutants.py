@@ -58,6 +58,7 @@ EDGES = "conformance/test_edges.py"
 MASKS = "conformance/test_masks.py"
 CONVERSIONS = "conformance/test_conversions.py"
 DECODE = "conformance/test_decode_step.py"
+STEP_OPS = "conformance/test_step_ops.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
 RING_MASKS = "test_ring_masks_against_positions_written"
@@ -288,6 +289,32 @@ CATALOGUE = (
         "            field[:, :, start + 1 : start + 1 + part.shape[2]] = part\n",
         "the MLX storages write new positions one row past where they belong (CACHE-3)",
         (f"{KV}::test_kv_cache_machine", f"{RING}::test_rotating_kv_cache_machine"),
+    ),
+    Mutant(
+        "mlx-rank-depends-op",
+        "accelerated/caches/reads.py",
+        "        self._failure = failure\n        return fields\n",
+        "        self._failure = failure\n"
+        "        return (mx.depends(fields[0], failure), *fields[1:])\n",
+        "a deferred append ties the running rank to its fields with an op of its own, one "
+        "more per layer and step (DEFER-3)",
+        (f"{STEP_OPS}::test_a_decode_step_hands_mlx_its_budget_of_ops",),
+    ),
+    Mutant(
+        "mlx-affine-encodes-apart",
+        "accelerated/caches/quantized.py",
+        "        *fields, failure = affine.quantize_deferred_pair(\n"
+        "            k, v, self.group_size, self.bits, running(self)\n"
+        "        )\n"
+        "        return tuple(fields), failure\n",
+        "        *keys, failure = affine.quantize_deferred(k, self.group_size, self.bits, "
+        "running(self))\n"
+        "        *values, failure = affine.quantize_deferred(v, self.group_size, self.bits, "
+        "failure)\n"
+        "        return (*keys, *values), failure\n",
+        "a deferred affine append encodes keys and values in two launches, one more per "
+        "layer and step on CUDA (the same bits)",
+        (f"{STEP_OPS}::test_a_decode_step_hands_mlx_its_budget_of_ops",),
     ),
     Mutant(
         "mlx-write-rows-array-start",

@@ -1,0 +1,144 @@
+"""What one decode step hands MLX on the CUDA path: its kernel launches, slice writes and
+other ops per layer. On MLX's CUDA backend each op costs the host microseconds whatever
+its size, so these counts set the step's time (docs/performance.md); a change that adds an
+op per step should fail here, not only on a GPU. The CUDA path runs on any device with its
+kernels stood in by calls that make their outputs, so the counts are of the Python that
+builds the step, not of the kernels."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from kvspec.conformance.backend import Backend
+
+#: Per kind: kernel launches, static slice writes (one per stored field), and the other
+#: ops of our own a step adds besides (the key codes cut to the live rows).
+BUDGETS = {
+    "KVCache": (lambda c: c.KVCache(), 2, 2, {"Slice": 1}),
+    "RotatingKVCache": (lambda c: c.RotatingKVCache(64, keep=4), 2, 2, {"Slice": 1}),
+    "QuantizedKVCache 4-bit g64": (
+        lambda c: c.QuantizedKVCache(64, 4, checks="deferred"),
+        3,
+        6,
+        {"Slice": 1},
+    ),
+    "TurboQuantKVCache k8v4": (
+        lambda c: c.TurboQuantKVCache(8, 4, "dense", checks="deferred"),
+        3,
+        5,
+        {"Slice": 1},
+    ),
+    "Bf16FirstTurboQuantKVCache k8v3": (
+        lambda c: c.Bf16FirstTurboQuantKVCache(8, 3, 20, checks="deferred"),
+        3,
+        5,
+        {"Slice": 1},
+    ),
+}
+
+
+class Launches(Counter):
+    """Stand-in kernel launches by kernel name, and every array they were given."""
+
+    inputs: list
+
+
+@pytest.fixture
+def cuda_path(backend: Backend, monkeypatch):
+    """The accelerated backend's CUDA path with stand-in kernels; yields their Launches."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's decode step")
+    import mlx.core as mx
+
+    from kvspec.accelerated import (
+        affine,
+        affine_kernels,
+        attention_kernels,
+        turboquant,
+        turboquant_kernels,
+    )
+    from kvspec.accelerated.caches import reads
+
+    launches = Launches()
+    launches.inputs = []
+
+    def stand_in(name: str, **_: object):
+        def launch(*, inputs, output_shapes, output_dtypes, **__: object) -> list:
+            launches[name] += 1
+            launches.inputs.extend(inputs)
+            return [
+                mx.zeros(shape, dtype)
+                for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
+            ]
+
+        return launch
+
+    factories = [
+        attention_kernels._partial_kernel,
+        attention_kernels._merge_kernel,
+        affine_kernels._kernel,
+        affine_kernels._pair_kernel,
+        turboquant_kernels._kernel,
+        turboquant_kernels._encode_kernel,
+    ]
+    for factory in factories:
+        factory.cache_clear()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
+    monkeypatch.setattr(reads, "fused_kernels_enabled", lambda: True)
+    monkeypatch.setattr(turboquant, "fused_kernels_enabled", lambda: True)
+    monkeypatch.setattr(affine, "_default_encoder", lambda: "cuda")
+    monkeypatch.setattr(attention_kernels, "supported", lambda *_: True)
+    yield launches
+    for factory in factories:
+        factory.cache_clear()
+
+
+def _primitives(arrays: list) -> Counter:
+    import mlx.core as mx
+
+    graph = io.StringIO()
+    mx.export_to_dot(graph, *arrays)
+    return Counter(re.findall(r'label ="(\w+)", shape=rectangle', graph.getvalue()))
+
+
+@pytest.mark.parametrize("kind", sorted(BUDGETS))
+def test_a_decode_step_hands_mlx_its_budget_of_ops(backend: Backend, cuda_path, kind) -> None:
+    import mlx.core as mx
+
+    make, launches, writes, others = BUDGETS[kind]
+    cache = make(backend.module("caches"))
+    rng = np.random.default_rng(0)
+
+    def normal(shape: tuple[int, ...]) -> mx.array:
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    cache.append_window(normal((1, 2, 37, 128)), normal((1, 2, 37, 128)))
+    # A first step may grow the buffers (CACHE-3, RING-2; a bf16-first cache's converted
+    # buffer holds its rows exactly): once per 256 steps, not the step measured.
+    cache.append_decode(normal((1, 2, 1, 128)), normal((1, 2, 1, 128)))
+    mx.eval(cache.state().arrays)
+    k, v, queries = normal((1, 2, 1, 128)), normal((1, 2, 1, 128)), normal((1, 4, 1, 128))
+    mx.eval(k, v, queries)
+    cuda_path.clear()
+    cuda_path.inputs.clear()
+    out = cache.append_decode(k, v).attend(queries, 128**-0.5)
+    assert sum(cuda_path.values()) == launches, dict(cuda_path)
+    storage = getattr(cache, "storage", cache)
+    # The step's graph: its output, the stored fields and what the kernels were given (a
+    # stand-in's outputs do not depend on its inputs).
+    primitives = _primitives([out, *storage._fields, *cuda_path.inputs])
+    assert primitives["SliceUpdate"] == writes, primitives
+    assert primitives["DynamicSliceUpdate"] == 0, primitives
+    # Nothing else of ours (constants aside: the stand-ins' outputs, placeholders): no rank
+    # dependency (DEFER-3), no copy, no conversion.
+    ours = {
+        name: n
+        for name, n in primitives.items()
+        if name not in ("SliceUpdate", "Full", "Broadcast")
+    }
+    assert ours == others, primitives
