@@ -116,10 +116,15 @@ def test_affine_deferred_quantize_stores_the_reference_bits(
 
 @pytest.mark.parametrize("failing_side", ["keys", "values"])
 @pytest.mark.parametrize("shape", [(2, 3, 5, 128), (1, 8, 300, 128)])
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize(("bits", "group_size"), [(3, 128), (4, 64), (8, 32), (2, 64)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_affine_deferred_pair_stores_what_two_quantizes_store(
-    backend: Backend, shape: tuple[int, ...], bits: int, dtype: str, failing_side: str
+    backend: Backend,
+    shape: tuple[int, ...],
+    bits: int,
+    group_size: int,
+    dtype: str,
+    failing_side: str,
 ) -> None:
     """The MLX backend's keys-and-values encode (one launch on CUDA; a decode step's and, in
     more blocks, a prefill's): each side the reference's bits, the failure the largest of
@@ -133,11 +138,11 @@ def test_affine_deferred_pair_stores_what_two_quantizes_store(
     failing[-1, -1, -1, 7] = np.inf  # one side holds a NaN-ranked group (rank 2)
     if dtype == "float32":
         other[0, 0, 0, :2] = [3e38, -3e38]  # the other an overflowing range (AFF-7, rank 1)
-    expected_k = affine.quantize_deferred(k, 64, bits)
-    expected_v = affine.quantize_deferred(v, 64, bits)
+    expected_k = affine.quantize_deferred(k, group_size, bits)
+    expected_v = affine.quantize_deferred(v, group_size, bits)
     for prior in (0, 1):
         keys, values, ranked = (backend.from_numpy(a) for a in (k, v, np.array([prior], np.uint32)))
-        got = [backend.to_numpy(a) for a in pair(keys, values, 64, bits, ranked)]
+        got = [backend.to_numpy(a) for a in pair(keys, values, group_size, bits, ranked)]
         for slot, (a, e) in enumerate(
             zip(got[:6], (*expected_k[:3], *expected_v[:3]), strict=True)
         ):
