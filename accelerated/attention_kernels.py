@@ -26,6 +26,10 @@ float32 rate: codes become floats through the bits of 2^23 + c, and AFF-6 runs o
 in the scales' 16-bit format.
 Pass 2 merges the splits of each query head and, for TurboQuant values, unrotates the
 output row once (TQ-8): the Hadamard butterflies, 1/sqrt(D), then the signs.
+
+The CUDA code is accelerated/cuda/decode_attention.cuh (partial_pass, merge_pass); the
+kernels handed to MLX include it and call into it, so that the source MLX builds and
+hashes at every call is a few hundred bytes (cuda_source.included).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from kvspec.accelerated.cuda_source import compact
+from kvspec.accelerated.cuda_source import included
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 #: Storage formats of one side (keys or values) of a cache.
@@ -59,784 +63,66 @@ TARGET_BLOCKS = 528
 MAX_GROUP = 8
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256, 512)
 
-_HEADER = r"""
-namespace kvspec_attn {
+#: The kernels' code, which every kernel MLX builds includes: the source MLX builds and
+#: hashes at every call is then the call alone (cuda_source.included).
+_INCLUDE = included("decode_attention.cuh")
 
-template <typename T>
-__device__ __forceinline__ float rounded(float x) {
-    // x rounded to T and widened back (CONV-2): the read format's rounding.
-    return static_cast<float>(static_cast<T>(x));
-}
-
-template <int NW>
-__device__ __forceinline__ void load_words(const unsigned char* p, unsigned int (&w)[NW]) {
-    // NW little-endian words from an address aligned to 4 * NW (NW = 1, 2, 4 or a multiple
-    // of 4): vector loads into registers.
-    if constexpr (NW % 4 == 0) {
-        #pragma unroll
-        for (int i = 0; i < NW; i += 4) {
-            const uint4 x = reinterpret_cast<const uint4*>(p)[i / 4];
-            w[i] = x.x; w[i + 1] = x.y; w[i + 2] = x.z; w[i + 3] = x.w;
-        }
-    } else if constexpr (NW == 2) {
-        const uint2 x = *reinterpret_cast<const uint2*>(p);
-        w[0] = x.x; w[1] = x.y;
-    } else {
-        w[0] = *reinterpret_cast<const unsigned int*>(p);
-    }
-}
-
-template <int BITS>
-__device__ __forceinline__ unsigned int stream_code(const unsigned char* stream, int i) {
-    // Code i of an LSB-first stream (BITS-1, BITS-2: words are little-endian bytes).
-    const int bit = i * BITS;
-    const int byte = bit >> 3;
-    const int shift = bit & 7;
-    unsigned int window = stream[byte];
-    if (shift + BITS > 8) window |= (unsigned int)stream[byte + 1] << 8;
-    return (window >> shift) & ((1u << BITS) - 1u);
-}
-
-template <typename T>
-constexpr bool IS_BFLOAT16 = false;
-template <>
-constexpr bool IS_BFLOAT16<__nv_bfloat16> = true;
-
-// The packed pair of a 2-byte format and the bits of M = 2^7 (bfloat16) or 2^10 (float16)
-// in both halves: the power of two from which integers below M are spaced by 1.
-template <typename S>
-struct Paired {};
-template <>
-struct Paired<__nv_bfloat16> {
-    using type = __nv_bfloat162;
-    static constexpr unsigned int MAGIC = 0x43004300u;
-};
-template <>
-struct Paired<__half> {
-    using type = __half2;
-    static constexpr unsigned int MAGIC = 0x64006400u;
-};
-template <typename S>
-constexpr bool PAIRED = sizeof(S) == 2;
-
-template <typename T>
-__device__ __forceinline__ T bits_as(unsigned int bits) {
-    T value;
-    memcpy(&value, &bits, 4);
-    return value;
-}
-
-__device__ __forceinline__ float2 widened(__nv_bfloat162 pair) {
-    // bfloat16 is the top half of a float32.
-    unsigned int bits;
-    memcpy(&bits, &pair, 4);
-    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
-}
-
-__device__ __forceinline__ float2 widened(__half2 pair) { return __half22float2(pair); }
-
-// A lane's share of one row (elements [lane E, lane E + E) of position t of head (b, h))
-// as loaded: its words (when the lane's bits fill whole aligned words, or half of one) and,
-// for coded formats, its group's scale and bias, all still raw, so that a prefetch does not
-// wait for them. FMT: 0 plain, 1 affine, 2 TurboQuant key, 3 TurboQuant value (rotated).
-template <int FMT, int E, int BITS, int GROUP, typename C, typename S>
-struct LaneRow {
-    static constexpr int ELEMENT_BITS = FMT == 0 ? 8 * (int)sizeof(C) : BITS;
-    static constexpr int LANE_BITS = E * ELEMENT_BITS;
-    static constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;
-    static constexpr bool WORDS =
-        LANE_BITS % 32 == 0 && (NW == 1 || NW == 2 || NW % 4 == 0);
-    static constexpr bool HALF = LANE_BITS == 16;
-    // Widths whose codes never straddle a word's halves (decode_pairs).
-    static constexpr bool WHOLE_PAIRS = BITS == 2 || BITS == 4 || BITS == 8;
-    unsigned int w[NW];
-    const unsigned char* row;  // read at decode time when the lane's bits are not words
-    S scale;
-    S bias;
-
-    __device__ __forceinline__ void load(
-        const C* codes, const S* scales, const S* biases,
-        long long code_row, long long group_row, int lane) {
-        row = reinterpret_cast<const unsigned char*>(codes + code_row);
-        if constexpr (WORDS) {
-            load_words<NW>(row + lane * NW * 4, w);
-        } else if constexpr (HALF) {
-            w[0] = *reinterpret_cast<const unsigned short*>(row + lane * 2);
-        }
-        if constexpr (FMT != 0) {
-            // E divides GROUP: a lane's elements share one group.
-            const int g = lane * E / GROUP;
-            scale = scales[group_row + g];
-            if constexpr (FMT != 3) bias = biases[group_row + g];
-        }
-    }
-
-    __device__ __forceinline__ unsigned int element_bits(int j, int lane) const {
-        if constexpr (WORDS || HALF) {
-            const unsigned int word = w[j * ELEMENT_BITS / 32] >> (j * ELEMENT_BITS % 32);
-            return ELEMENT_BITS == 32 ? word : word & ((1u << ELEMENT_BITS) - 1u);
-        } else {
-            return stream_code<BITS>(row, lane * E + j);
-        }
-    }
-
-    // The reference's operands (READ-7): AFF-6, TQ-5, TQ-8 (rotated), or the plain value,
-    // computed without conversion instructions (a quarter of the float32 rate): a code c
-    // becomes float32 as the bits of 2^23 + c, less 2^23, exactly.
-    __device__ __forceinline__ void decode(const float* table, int lane, float (&x)[E]) const {
-        if constexpr (FMT == 0) {
-            #pragma unroll
-            for (int j = 0; j < E; ++j) {
-                if constexpr (!(WORDS || HALF)) {
-                    x[j] = static_cast<float>(reinterpret_cast<const C*>(row)[lane * E + j]);
-                } else if constexpr (sizeof(C) == 4) {
-                    x[j] = __uint_as_float(element_bits(j, lane));
-                } else if constexpr (IS_BFLOAT16<C>) {
-                    x[j] = __uint_as_float(element_bits(j, lane) << 16);
-                } else {
-                    const unsigned short bits = (unsigned short)element_bits(j, lane);
-                    C value;
-                    memcpy(&value, &bits, 2);
-                    x[j] = static_cast<float>(value);
-                }
-            }
-        } else if constexpr (FMT == 1 && WORDS && PAIRED<S> && WHOLE_PAIRS) {
-            decode_pairs(x);
-        } else {
-            const float s = static_cast<float>(scale);
-            float z = 0.0f;
-            if constexpr (FMT != 3) z = static_cast<float>(bias);
-            // TQ-5's code + zero, exact: (2^23 + c) - (2^23 - zero); a signed 8-bit code
-            // reads as 2^23 + 128 + c (its sign bit flipped).
-            const float offset = (FMT == 2 && BITS == 8 ? 8388736.0f : 8388608.0f) - z;
-            #pragma unroll
-            for (int j = 0; j < E; ++j) {
-                const unsigned int c = element_bits(j, lane);
-                if constexpr (FMT == 1) {
-                    // AFF-6: T(T(code * scale) + bias).
-                    const float code = __fsub_rn(__uint_as_float(c | 0x4B000000u), 8388608.0f);
-                    x[j] = rounded<S>(__fadd_rn(rounded<S>(__fmul_rn(code, s)), z));
-                } else if constexpr (FMT == 2) {
-                    // TQ-5: (code + zero) * scale; 8-bit codes are signed.
-                    const unsigned int biased = BITS == 8 ? c ^ 0x4B000080u : c | 0x4B000000u;
-                    x[j] = __fmul_rn(__fsub_rn(__uint_as_float(biased), offset), s);
-                } else {
-                    // TQ-8: centroid * scale, left rotated.
-                    x[j] = __fmul_rn(table[c], s);
-                }
-            }
-        }
-    }
-
-    // AFF-6 two elements at a time in S (bfloat16 or float16 scales), for codes in whole
-    // words: a word's elements i and i + N/2 (N per word) sit in its two 16-bit halves after
-    // a shift; OR-ing the S bits of M (a power of two whose spacing is 1) makes M + c, less
-    // M is c exactly (8-bit codes as 16 hi + lo from two nibbles). Then T(c * scale) and
-    // T(. + bias) in S, each rounded once: the float32 product is exact and the float32
-    // sum, rounded again to S, rounds as S would (24 >= 2 p + 2 bits, CONV-2).
-    __device__ __forceinline__ void decode_pairs(float (&x)[E]) const {
-        using S2 = typename Paired<S>::type;
-        const S2 magic = bits_as<S2>(Paired<S>::MAGIC);
-        const S2 s2 = {scale, scale};
-        const S2 b2 = {bias, bias};
-        constexpr int PER_WORD = 32 / BITS;
-        #pragma unroll
-        for (int word = 0; word < NW; ++word) {
-            #pragma unroll
-            for (int i = 0; i < PER_WORD / 2; ++i) {
-                constexpr unsigned int MAGIC = Paired<S>::MAGIC;
-                S2 code;
-                if constexpr (BITS == 8) {
-                    const unsigned int bits = w[word] >> (8 * i);
-                    const S2 lo = bits_as<S2>((bits & 0x000F000Fu) | MAGIC);
-                    const S2 hi = bits_as<S2>(((bits >> 4) & 0x000F000Fu) | MAGIC);
-                    const S2 sixteen = {S(16.0f), S(16.0f)};
-                    code = __hfma2(__hsub2(hi, magic), sixteen, __hsub2(lo, magic));
-                } else {
-                    constexpr unsigned int MASK = ((1u << BITS) - 1u) * 0x00010001u;
-                    code = __hsub2(bits_as<S2>(((w[word] >> (BITS * i)) & MASK) | MAGIC), magic);
-                }
-                const S2 value = __hadd2(__hmul2(code, s2), b2);
-                const float2 wide = widened(value);
-                x[word * PER_WORD + i] = wide.x;
-                x[word * PER_WORD + i + PER_WORD / 2] = wide.y;
-            }
-        }
-    }
-};
-
-}  // namespace kvspec_attn
-"""
-
-# What only the CUDA-core body uses: the warp reductions and the stage update.
-_CORE_HEADER = r"""
-namespace kvspec_attn {
-
-template <int G>
-__device__ __forceinline__ void warp_sums(float (&dot)[G], int lane) {
-    // Every lane gets the warp-wide sum of each of its G partial dot products. Halving
-    // exchange: at offset 16 a lane keeps half the heads and sends the other half, so
-    // log2(G) rounds cut the values per lane to one; plain rounds finish the sum; each
-    // head's total is then read from a lane that holds it. 5 + G shuffles, not 5 G.
-    float v[G];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) v[g] = dot[g];
-    int offset = 16;
-    #pragma unroll
-    for (int level = 0; (1 << level) < G; ++level) {
-        const int half = G >> (level + 1);
-        const bool upper = (lane & offset) != 0;
-        #pragma unroll
-        for (int i = 0; i < half; ++i) {
-            const float keep = upper ? v[i + half] : v[i];
-            const float send = upper ? v[i] : v[i + half];
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
-        }
-        offset >>= 1;
-    }
-    #pragma unroll
-    for (int o = offset; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
-    // The lane whose bits 4, 3, ... (one per halving level) spell head g holds its sum.
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        int source = 0;
-        #pragma unroll
-        for (int level = 0; (1 << level) < G; ++level) {
-            const int bit = (g >> (__ffs(G) - 2 - level)) & 1;
-            source |= bit << (4 - level);
-        }
-        dot[g] = __shfl_sync(0xffffffffu, v[0], source);
-    }
-}
-
-// U positions at once: their dot products reduce together (independent shuffle chains),
-// then one online-softmax update, m' = max(m, s_0 .. s_{U-1}),
-// acc' = acc 2^(m - m') + sum_u 2^(s_u - m') v_u, and likewise the running sum l.
-template <int U, int G, int EK, int EV, typename KeyRow, typename ValueRow>
-__device__ __forceinline__ void attend_stage(
-    const KeyRow (&keys)[U], const ValueRow (&values)[U], const float* codebook, int lane,
-    const float (&q)[G][EK], float (&m)[G], float (&l)[G], float (&acc)[G][EV]) {
-    float dot[U][G];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        float k[EK];
-        keys[u].decode(codebook, lane, k);
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            dot[u][g] = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < EK; ++j) dot[u][g] += q[g][j] * k[j];
-        }
-        warp_sums<G>(dot[u], lane);
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m_new = m[g];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) m_new = fmaxf(m_new, dot[u][g]);
-        const float alpha = exp2f(m[g] - m_new);
-        float sum = l[g] * alpha;
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            dot[u][g] = exp2f(dot[u][g] - m_new);  // now the weight p_u
-            sum += dot[u][g];
-        }
-        l[g] = sum;
-        m[g] = m_new;
-        #pragma unroll
-        for (int j = 0; j < EV; ++j) acc[g][j] *= alpha;
-    }
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        float v[EV];
-        values[u].decode(codebook, lane, v);
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            #pragma unroll
-            for (int j = 0; j < EV; ++j) acc[g][j] += dot[u][g] * v[j];
-        }
-    }
-}
-
-}  // namespace kvspec_attn
-"""
-
-# What only the tensor-core body uses: TF32 rounding and the MMA.
-_MMA_HEADER = r"""
-namespace kvspec_attn {
-
-// A chunk body's tag: WHOLE true when all 8 of its positions are before the split's end.
-template <bool B>
-struct Whole {
-    static constexpr bool value = B;
-};
-
-__device__ __forceinline__ unsigned int tf32(float x) {
-    // x rounded to the nearest TF32 (ties away), for the operands computed once per block
-    // or per 8 positions (the query, the weights). Stored operands go in as float32 bits:
-    // the tensor cores read their top 19 bits, a truncation (READ-7).
-    unsigned int bits;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
-    return bits;
-}
-
-__device__ __forceinline__ void mma_tf32(
-    float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
-    unsigned int b0, unsigned int b1) {
-    // d += A B on tensor cores: A 16 x 8 (row major), B 8 x 8 (column major), float32
-    // accumulation. Lane (r, c) = (lane / 4, lane % 4) holds A[r][c], A[r + 8][c],
-    // A[r][c + 4], A[r + 8][c + 4]; B[c][r], B[c + 4][r]; D[r][2c], D[r][2c + 1],
-    // D[r + 8][2c], D[r + 8][2c + 1] (PTX ISA, mma.m16n8k8 .tf32).
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-}  // namespace kvspec_attn
-"""
-
-# Row t's share of a lane (elements [part E, part E + E)), raw, from the buffers.
-_ROW_LOADS = r"""
-    auto load_key = [&](KeyRow& key, int t, int part) {
-        key.load(k_codes, k_scales, k_biases, k_base + (long long)t * k_codes_strides[2],
-                 KFMT == 0 ? 0 : ks_base + (long long)t * k_scales_strides[2], part);
-    };
-    auto load_value = [&](ValueRow& value, int t, int part) {
-        value.load(v_codes, v_scales, v_biases, v_base + (long long)t * v_codes_strides[2],
-                   VFMT == 0 ? 0 : vs_base + (long long)t * v_scales_strides[2], part);
-    };
-"""
-# The compiled step's write slot (COMPILE-4): buffer row slot_row[0] is read from the new
-# position's fields (new_* [B, Hk, 1, *]) instead, so the buffers need no copy.
-_SLOT_ROW_LOADS = r"""
-    const int written = slot_row[0];
-    auto load_key = [&](KeyRow& key, int t, int part) {
-        if (t == written) {
-            key.load(new_k_codes, new_k_scales, new_k_biases,
-                     b * new_k_codes_strides[0] + h * new_k_codes_strides[1],
-                     KFMT == 0 ? 0 : b * new_k_scales_strides[0] + h * new_k_scales_strides[1],
-                     part);
-        } else {
-            key.load(k_codes, k_scales, k_biases, k_base + (long long)t * k_codes_strides[2],
-                     KFMT == 0 ? 0 : ks_base + (long long)t * k_scales_strides[2], part);
-        }
-    };
-    auto load_value = [&](ValueRow& value, int t, int part) {
-        if (t == written) {
-            value.load(new_v_codes, new_v_scales, new_v_biases,
-                       b * new_v_codes_strides[0] + h * new_v_codes_strides[1],
-                       VFMT == 0 ? 0 : b * new_v_scales_strides[0] + h * new_v_scales_strides[1],
-                       part);
-        } else {
-            value.load(v_codes, v_scales, v_biases, v_base + (long long)t * v_codes_strides[2],
-                       VFMT == 0 ? 0 : vs_base + (long long)t * v_scales_strides[2], part);
-        }
-    };
-"""
-
-# Pass 1. Inputs: q [B, Hq, 1, DK]; per side codes, scales, biases (a one-element
-# placeholder where a format has none); the value codebook. Outputs: partial sums
-# [B * Hq, SPLITS, DV] and (max, sum) [B * Hq, SPLITS, 2]. The softmax scale is a
-# template constant (its float32 bits): one compile per model, no per-step upload.
-# Two bodies share the block's setup and its final merge of the warps: on CUDA cores
-# (lanes over elements) and on tensor cores (MMA over 8 positions at a time).
-_PARTIAL_SETUP = (
-    r"""    using namespace kvspec_attn;
-    constexpr float LOG2E = 1.4426950408889634f;
-    const float NEG_INF = -__int_as_float(0x7f800000);
-    extern __shared__ __align__(16) float shared[];
-    __shared__ float codebook[TABLE];
-
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int split = blockIdx.x;
-    const int splits = gridDim.x;
-    const int bh = blockIdx.y;
-    const int kv_heads = k_codes_shape[1];
-    const int b = bh / kv_heads;
-    const int h = bh % kv_heads;
-    const int T = k_codes_shape[2];
-    const int q_heads = queries_shape[1];
-
-    for (int i = threadIdx.x; i < TABLE; i += blockDim.x) codebook[i] = table[i];
-    __syncthreads();
-
-    const float factor = __int_as_float(SCALE_BITS) * LOG2E;
-    const int per_split = (T + splits - 1) / splits;
-    const int start = split * per_split;
-    const int end = min(T, start + per_split);
-
-    // Rows of head (b, h); a placeholder's strides are never used (format PLAIN).
-    const long long k_base = b * k_codes_strides[0] + h * k_codes_strides[1];
-    const long long ks_base = KFMT == 0 ? 0 : b * k_scales_strides[0] + h * k_scales_strides[1];
-    const long long v_base = b * v_codes_strides[0] + h * v_codes_strides[1];
-    const long long vs_base = VFMT == 0 ? 0 : b * v_scales_strides[0] + h * v_scales_strides[1];
-
-    using KeyRow = LaneRow<KFMT, EK, KBITS, KGROUP, KC, KS>;
-    using ValueRow = LaneRow<VFMT, EV, VBITS, VGROUP, VC, VS>;
-"""
-    + _ROW_LOADS
-)
-
-# Lane l owns elements [l EK, l EK + EK) of a row.
-_CORE_BODY = r"""    float q[G][EK];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const long long q_row =
-            (long long)b * queries_strides[0] + (long long)(h * G + g) * queries_strides[1];
-        #pragma unroll
-        for (int j = 0; j < EK; ++j) {
-            const long long at = q_row + (lane * EK + j) * queries_strides[3];
-            q[g][j] = static_cast<float>(queries[at]) * factor;
-        }
-    }
-
-    float m[G], l[G], acc[G][EV];
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-        #pragma unroll
-        for (int j = 0; j < EV; ++j) acc[g][j] = 0.0f;
-    }
-
-    // The warp's positions are first, first + WARPS, ...: STAGE at a time, the next stage's
-    // loads issued before this one computes (software pipelining), then the rest one by one.
-    const int first = start + warp;
-    const int n = first < end ? (end - first + WARPS - 1) / WARPS : 0;
-    const int stages = n / STAGE;
-    KeyRow next_keys[STAGE];
-    ValueRow next_values[STAGE];
-    auto load = [&](int i, KeyRow& key, ValueRow& value) {
-        const int t = first + i * WARPS;
-        load_key(key, t, lane);
-        load_value(value, t, lane);
-    };
-    if (stages > 0) {
-        #pragma unroll
-        for (int u = 0; u < STAGE; ++u) load(u, next_keys[u], next_values[u]);
-    }
-    for (int stage = 0; stage < stages; ++stage) {
-        KeyRow keys[STAGE];
-        ValueRow values[STAGE];
-        #pragma unroll
-        for (int u = 0; u < STAGE; ++u) {
-            keys[u] = next_keys[u];
-            values[u] = next_values[u];
-        }
-        if (stage + 1 < stages) {
-            #pragma unroll
-            for (int u = 0; u < STAGE; ++u) {
-                load((stage + 1) * STAGE + u, next_keys[u], next_values[u]);
-            }
-        }
-        attend_stage<STAGE, G, EK, EV>(keys, values, codebook, lane, q, m, l, acc);
-    }
-    for (int i = stages * STAGE; i < n; ++i) {
-        KeyRow keys[1];
-        ValueRow values[1];
-        load(i, keys[0], values[0]);
-        attend_stage<1, G, EK, EV>(keys, values, codebook, lane, q, m, l, acc);
-    }
-
-    // Merge the warps: shared holds [WARPS][G][DV] sums, then [WARPS][G] maxima and sums.
-    float* sums = shared;
-    float* maxima = shared + WARPS * G * DV;
-    float* totals = maxima + WARPS * G;
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        #pragma unroll
-        for (int j = 0; j < EV; ++j) sums[(warp * G + g) * DV + lane * EV + j] = acc[g][j];
-        if (lane == 0) {
-            maxima[warp * G + g] = m[g];
-            totals[warp * G + g] = l[g];
-        }
-    }
-"""
-
-_MMA_BODY = r"""
-    // Lane (row, col) of the MMA fragments (mma_tf32). Scores S = Q K^T take 8 positions
-    // at a time: A holds query head h G + row (rows from G on are zero), B the keys;
-    // lane (row, col) decodes position t0 + row at elements [col EK, col EK + EK), and
-    // step j's k-indices col and col + 4 are elements col EK + 2j and col EK + 2j + 1.
-    // The output O^T += V^T P^T: A holds values (lane (row, col): positions t0 + 2 col and
-    // t0 + 2 col + 1, elements [row EV, row EV + EV); tile i's rows row and row + 8 are
-    // elements row EV + 2i and row EV + 2i + 1), B the weights as S left them in the lane.
-    const int row = lane >> 2;
-    const int col = lane & 3;
-    constexpr int KSTEPS = DK / 8;
-    constexpr int MTILES = DV / 16;
-
-    // The query fragment, the same for every warp of the block, in shared memory past the
-    // warps' merge (registers go to the decode): step j's A operand (A[row][col], 0,
-    // A[row][col + 4], 0) at [j][lane], one 16-byte load straight into the MMA's registers.
-    constexpr int MERGED = (WARPS * G * DV + 2 * WARPS * G + 3) / 4 * 4;
-    uint4 (*query_fragment)[32] = reinterpret_cast<uint4 (*)[32]>(shared + MERGED);
-    if (warp == 0) {
-        const long long q_row = (long long)b * queries_strides[0] +
-            (long long)(h * G + (row < G ? row : 0)) * queries_strides[1];
-        #pragma unroll
-        for (int j = 0; j < KSTEPS; ++j) {
-            unsigned int a[2];
-            #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const long long at = q_row + (col * EK + 2 * j + i) * queries_strides[3];
-                a[i] = row < G ? tf32(static_cast<float>(queries[at]) * factor) : 0u;
-            }
-            query_fragment[j][lane] = make_uint4(a[0], 0u, a[1], 0u);
-        }
-    }
-    __syncthreads();
-    // Head `row`'s running maximum and this lane's share of its sum; O^T in the C layout
-    // (acc[i]: elements row EV + 2i, + 1 of heads 2 col, 2 col + 1).
-    float m = NEG_INF;
-    float l = 0.0f;
-    float acc[MTILES][4];
-    #pragma unroll
-    for (int i = 0; i < MTILES; ++i) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-    }
-
-    // Warp w takes chunks w, w + WARPS, ... of 8 positions; a chunk's raw rows load while
-    // the one before it computes. Only a split's last chunk can be partial: it has a body
-    // of its own (WHOLE false) that decodes rows past the end as zeros, after the loop, so
-    // that whole chunks spend no instruction on that test.
-    const int whole_chunks = end > start ? (end - start) / 8 : 0;
-    const int chunks = end > start ? (end - start + 7) / 8 : 0;
-    auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
-        const int tk = start + 8 * c + row;
-        const int tv = start + 8 * c + 2 * col;
-        if (tk < end) load_key(key, tk, col);
-        if (tv < end) load_value(v0, tv, row);
-        if (tv + 1 < end) load_value(v1, tv + 1, row);
-    };
-    auto attend_chunk = [&](auto whole, int c, const KeyRow& key, const ValueRow& v0,
-                            const ValueRow& v1) {
-        constexpr bool WHOLE = decltype(whole)::value;
-        const int t0 = start + 8 * c;
-        const int tv = t0 + 2 * col;
-
-        float k[EK];
-        if (WHOLE || t0 + row < end) {
-            key.decode(codebook, col, k);
-        } else {
-            #pragma unroll
-            for (int j = 0; j < EK; ++j) k[j] = 0.0f;
-        }
-        float s[2][4] = {};  // two accumulation chains
-        #pragma unroll
-        for (int j = 0; j < KSTEPS; ++j) {
-            const uint4 a = query_fragment[j][lane];
-            mma_tf32(s[j & 1], a.x, a.y, a.z, a.w, __float_as_uint(k[2 * j]),
-                     __float_as_uint(k[2 * j + 1]));
-        }
-        const float s0 = WHOLE || tv < end ? s[0][0] + s[1][0] : NEG_INF;
-        const float s1 = WHOLE || tv + 1 < end ? s[0][1] + s[1][1] : NEG_INF;
-
-        // Online softmax of head `row` over the chunk (its 8 scores lie in 4 lanes). A NaN
-        // score (DEFER-1) passes fmaxf by and makes its weight NaN, even where no finite
-        // score has been seen yet (a split of one row); only positions past the end weigh 0.
-        float top = fmaxf(s0, s1);
-        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-        const float m_new = fmaxf(m, top);
-        const float alpha = m == NEG_INF ? 1.0f : exp2f(m - m_new);
-        const float p0 = s0 == NEG_INF ? 0.0f : exp2f(s0 - m_new);
-        const float p1 = s1 == NEG_INF ? 0.0f : exp2f(s1 - m_new);
-        l = l * alpha + (p0 + p1);
-        m = m_new;
-        // acc holds heads 2 col and 2 col + 1, whose factors lanes 8 col and 8 col + 4 hold.
-        const float alpha_even = __shfl_sync(0xffffffffu, alpha, 8 * col);
-        const float alpha_odd = __shfl_sync(0xffffffffu, alpha, 8 * col + 4);
-
-        float y0[EV], y1[EV];
-        if (WHOLE || tv < end) {
-            v0.decode(codebook, row, y0);
-        } else {
-            #pragma unroll
-            for (int j = 0; j < EV; ++j) y0[j] = 0.0f;
-        }
-        if (WHOLE || tv + 1 < end) {
-            v1.decode(codebook, row, y1);
-        } else {
-            #pragma unroll
-            for (int j = 0; j < EV; ++j) y1[j] = 0.0f;
-        }
-        const unsigned int w0 = tf32(p0);
-        const unsigned int w1 = tf32(p1);
-        // Once the maxima settle, no factor moves: skip the rescale (a warp-wide choice).
-        if (__any_sync(0xffffffffu, alpha_even != 1.0f || alpha_odd != 1.0f)) {
-            #pragma unroll
-            for (int i = 0; i < MTILES; ++i) {
-                acc[i][0] *= alpha_even;
-                acc[i][1] *= alpha_odd;
-                acc[i][2] *= alpha_even;
-                acc[i][3] *= alpha_odd;
-            }
-        }
-        #pragma unroll
-        for (int i = 0; i < MTILES; ++i) {
-            mma_tf32(acc[i], __float_as_uint(y0[2 * i]), __float_as_uint(y0[2 * i + 1]),
-                     __float_as_uint(y1[2 * i]), __float_as_uint(y1[2 * i + 1]), w0, w1);
-        }
-    };
-    KeyRow next_key;
-    ValueRow next_v0, next_v1;
-    if (warp < chunks) load(warp, next_key, next_v0, next_v1);
-    int c = warp;
-    for (; c < whole_chunks; c += WARPS) {
-        const KeyRow key = next_key;
-        const ValueRow v0 = next_v0;
-        const ValueRow v1 = next_v1;
-        if (c + WARPS < chunks) load(c + WARPS, next_key, next_v0, next_v1);
-        attend_chunk(Whole<true>(), c, key, v0, v1);
-    }
-    // The partial chunk, if any, is this warp's next (its rows are loaded).
-    if (c < chunks) attend_chunk(Whole<false>(), c, next_key, next_v0, next_v1);
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-
-    // The warp's results to shared memory: [WARPS][G][DV] sums, [WARPS][G] maxima and sums.
-    float* sums = shared;
-    float* maxima = shared + WARPS * G * DV;
-    float* totals = maxima + WARPS * G;
-    #pragma unroll
-    for (int i = 0; i < MTILES; ++i) {
-        const int d = row * EV + 2 * i;
-        if (2 * col < G) {
-            sums[(warp * G + 2 * col) * DV + d] = acc[i][0];
-            sums[(warp * G + 2 * col) * DV + d + 1] = acc[i][2];
-        }
-        if (2 * col + 1 < G) {
-            sums[(warp * G + 2 * col + 1) * DV + d] = acc[i][1];
-            sums[(warp * G + 2 * col + 1) * DV + d + 1] = acc[i][3];
-        }
-    }
-    if (col == 0 && row < G) {
-        maxima[warp * G + row] = m;
-        totals[warp * G + row] = l;
-    }
-"""
-
-# Merge the warps of the block into one partial per split.
-_BLOCK_MERGE = r"""
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * DV; i += blockDim.x) {
-        const int g = i / DV;
-        const int d = i % DV;
-        float top = NEG_INF;
-        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, maxima[w * G + g]);
-        // A warp without positions has total 0 and is skipped; a NaN row (a poisoned
-        // group, DEFER-1) leaves NaN sums that reach the output.
-        float sum = 0.0f, total = 0.0f;
-        for (int w = 0; w < WARPS; ++w) {
-            if (totals[w * G + g] == 0.0f) continue;
-            const float weight = exp2f(maxima[w * G + g] - top);
-            sum += sums[(w * G + g) * DV + d] * weight;
-            total += totals[w * G + g] * weight;
-        }
-        const long long row = ((long long)b * q_heads + h * G + g) * splits + split;
-        partial[row * DV + d] = sum;
-        if (d == 0) {
-            stats[row * 2] = top;
-            stats[row * 2 + 1] = total;
-        }
-    }
-"""
-
-#: Each body's share of a row per lane: (EK, EV) as expressions of DK and DV.
-_LANE_ELEMENTS = {
-    False: "    constexpr int EK = DK / 32;\n    constexpr int EV = DV / 32;\n",
-    True: "    constexpr int EK = DK / 4;\n    constexpr int EV = DV / 8;\n",
-}
-_PARTIAL_SOURCES = {
-    mma: _LANE_ELEMENTS[mma] + _PARTIAL_SETUP + body + _BLOCK_MERGE
-    for mma, body in ((False, _CORE_BODY), (True, _MMA_BODY))
-}
-
-# Pass 2. One block per (b, query head), DV threads: merge the splits, unrotate if ROTATED.
-_MERGE_SOURCE = r"""
-    const int d = threadIdx.x;
-    const long long row = blockIdx.x;
-    const int splits = stats_shape[1];
-    float top = -__int_as_float(0x7f800000);
-    for (int s = 0; s < splits; ++s) top = fmaxf(top, stats[(row * splits + s) * 2]);
-    float sum = 0.0f, total = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float split_total = stats[(row * splits + s) * 2 + 1];
-        if (split_total == 0.0f) continue;  // a split without positions
-        const float weight = exp2f(stats[(row * splits + s) * 2] - top);
-        sum += partial[(row * splits + s) * DV + d] * weight;
-        total += split_total * weight;
-    }
-    float value = sum / total;
-    if (ROTATED) {
-        // TQ-8: butterflies at strides 1 .. DV/2, then f32(1/sqrt(DV)), then the signs.
-        __shared__ float lane[DV];
-        lane[d] = value;
-        __syncthreads();
-        for (int h = 1; h < DV; h <<= 1) {
-            if ((d & h) == 0) {
-                const float a = lane[d];
-                const float b = lane[d + h];
-                lane[d] = __fadd_rn(a, b);
-                lane[d + h] = __fsub_rn(a, b);
-            }
-            __syncthreads();
-        }
-        value = __fmul_rn(__fmul_rn(lane[d], __int_as_float(INV_SQRT_BITS)), signs[d]);
-    }
-    out[row * DV + d] = static_cast<OT>(value);
-"""
-
-
-#: The compiled decode step's variant reads the live row count from an input (spec
-#: COMPILE-4): its graph passes whole buffers, and the count changes every step.
-_ROWS_FROM_SHAPE = "const int T = k_codes_shape[2];"
-_ROWS_FROM_INPUT = "const int T = min(k_codes_shape[2], rows[0]);"
-assert all(source.count(_ROWS_FROM_SHAPE) == 1 for source in _PARTIAL_SOURCES.values())
-
-
+_KEY_INPUTS = ["queries", "k_codes", "k_scales", "k_biases"]
+_VALUE_INPUTS = ["v_codes", "v_scales", "v_biases", "table"]
 _SLOT_INPUTS = [
     "slot_row",
     *(f"new_{side}_{field}" for side in "kv" for field in ("codes", "scales", "biases")),
 ]
-assert all(source.count(_ROW_LOADS) == 1 for source in _PARTIAL_SOURCES.values())
+# The template constants of pass 1 (_plan) in the order partial_pass takes them.
+_PARTIAL_CONSTANTS = (
+    "QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS, KGROUP, VFMT, VBITS, VGROUP, "
+    "TABLE, SCALE_BITS"
+)
+
+
+def _partial_call(mma: bool, counted: bool, slot: bool) -> str:
+    """The body of a pass-1 kernel: one call of partial_pass with the kernel's arguments.
+    A variant without an input passes a null pointer and some strides in its place (never
+    read: COUNTED and SLOT are false there)."""
+    flags = ", ".join("true" if on else "false" for on in (mma, counted, slot))
+    if slot:
+        new_fields = (
+            "new_k_codes, new_k_codes_strides, new_k_scales, new_k_scales_strides, "
+            "new_k_biases, new_v_codes, new_v_codes_strides, new_v_scales, "
+            "new_v_scales_strides, new_v_biases"
+        )
+    else:
+        unused = "nullptr, k_codes_strides"
+        new_fields = f"{unused}, {unused}, nullptr, {unused}, {unused}, nullptr"
+    return (
+        f"kvspec_attn::partial_pass<{flags}, {_PARTIAL_CONSTANTS}>("
+        "queries, queries_shape, queries_strides, k_codes, k_codes_shape, k_codes_strides, "
+        "k_scales, k_scales_strides, k_biases, v_codes, v_codes_strides, v_scales, "
+        f"v_scales_strides, v_biases, table, {'rows' if counted else 'nullptr'}, "
+        f"{'slot_row' if slot else 'nullptr'}, {new_fields}, partial, stats);"
+    )
 
 
 @cache
 def _partial_kernel(shared_bytes: int, counted: bool, mma: bool, slot: bool) -> object:
-    # The dynamic shared memory is fixed per kernel object: one per (G, DV). The counted
-    # variant takes one more input, `rows` (int32 [1]); the slot variant the write slot's
-    # row (int32 [1]) and the new position's fields; the plain one is unchanged.
-    source = _PARTIAL_SOURCES[mma]
-    if counted:
-        source = source.replace(_ROWS_FROM_SHAPE, _ROWS_FROM_INPUT)
-    if slot:
-        source = source.replace(_ROW_LOADS, _SLOT_ROW_LOADS)
+    # The dynamic shared memory is fixed per kernel object: one per (G, DV, DK, body). The
+    # counted variant takes one more input, `rows` (int32 [1]): the compiled step's live
+    # row count (COMPILE-4); the slot variant the write slot's row (int32 [1]) and the new
+    # position's fields; the plain one neither.
     name = "kvspec_decode_attention" + "".join(
         suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
     )
-    header = _HEADER + (_MMA_HEADER if mma else _CORE_HEADER)
     return mx.fast.cuda_kernel(
         name=name,
         input_names=[
-            "queries",
-            "k_codes",
-            "k_scales",
-            "k_biases",
-            "v_codes",
-            "v_scales",
-            "v_biases",
-            "table",
+            *_KEY_INPUTS,
+            *_VALUE_INPUTS,
             *(["rows"] if counted else []),
             *(_SLOT_INPUTS if slot else []),
         ],
         output_names=["partial", "stats"],
-        source=compact(source),
-        header=compact(header),
+        source=_partial_call(mma, counted, slot),
+        header=_INCLUDE,
         ensure_row_contiguous=False,
         shared_memory=shared_bytes,
     )
@@ -848,7 +134,11 @@ def _merge_kernel() -> object:
         name="kvspec_decode_merge",
         input_names=["partial", "stats", "signs"],
         output_names=["out"],
-        source=compact(_MERGE_SOURCE),
+        source=(
+            "kvspec_attn::merge_pass<DV, ROTATED, OT, INV_SQRT_BITS>("
+            "partial, stats, stats_shape, signs, out);"
+        ),
+        header=_INCLUDE,
     )
 
 
