@@ -693,20 +693,23 @@ __device__ __forceinline__ void merge_pass(
     }
     float value = sum / total;
     if (ROTATED) {
-        // TQ-8: butterflies at strides 1 .. DV/2, then f32(1/sqrt(DV)), then the signs.
-        __shared__ float lane[DV];
-        lane[d] = value;
-        __syncthreads();
-        for (int h = 1; h < DV; h <<= 1) {
-            if ((d & h) == 0) {
-                const float a = lane[d];
-                const float b = lane[d + h];
-                lane[d] = __fadd_rn(a, b);
-                lane[d + h] = __fsub_rn(a, b);
-            }
-            __syncthreads();
+        // TQ-8: butterflies at strides 1 .. DV/2 (element d of a pair (d, d + h) becomes
+        // a + b, element d + h a - b; within a warp by shuffles, across warps through two
+        // shared buffers in turn, one barrier a stride), then f32(1/sqrt(DV)), then the signs.
+        #pragma unroll
+        for (int h = 1; h < 32 && h < DV; h <<= 1) {
+            const float other = __shfl_xor_sync(0xffffffffu, value, h);
+            value = (d & h) == 0 ? __fadd_rn(value, other) : __fsub_rn(other, value);
         }
-        value = __fmul_rn(__fmul_rn(lane[d], __int_as_float(INV_SQRT_BITS)), signs[d]);
+        __shared__ float lane[2][DV];
+        #pragma unroll
+        for (int h = 32, turn = 0; h < DV; h <<= 1, turn ^= 1) {
+            lane[turn][d] = value;
+            __syncthreads();
+            const float other = lane[turn][d ^ h];
+            value = (d & h) == 0 ? __fadd_rn(value, other) : __fsub_rn(other, value);
+        }
+        value = __fmul_rn(__fmul_rn(value, __int_as_float(INV_SQRT_BITS)), signs[d]);
     }
     out[row * DV + d] = static_cast<OT>(value);
 }
