@@ -143,8 +143,9 @@ _ENCODE_SOURCE = r"""
     const unsigned int R = blockDim.y;
     const unsigned int lane = j & 31;
     const unsigned int group = j >> 5;
-    unsigned long long rows = 1;
-    for (int axis = 0; axis < k_ndim - 1; ++axis) rows *= k_shape[axis];
+    // k is [B, H, L, D] (the caller checks): constant indices, no loop over the shape.
+    const unsigned long long rows =
+        (unsigned long long)k_shape[0] * (unsigned long long)k_shape[1] * k_shape[2];
     const unsigned long long row_index = (unsigned long long)blockIdx.x * R + r;
     const bool active = row_index < rows;
     const unsigned long long row = active ? row_index : rows - 1;
@@ -152,12 +153,11 @@ _ENCODE_SOURCE = r"""
     const unsigned long long group_base = row * (D / 32);
     __shared__ unsigned char key_codes[1024];
     __shared__ unsigned char value_codes[1024];
-    __shared__ float lane_values[1024];
+    __shared__ float lane_values[2][1024];
     __shared__ unsigned int row_failures[32];
     __shared__ unsigned int block_rank;
     unsigned char* own_keys = key_codes + r * D;
     unsigned char* own_values = value_codes + r * D;
-    float* own_lanes = lane_values + r * D;
     if (j == 0) row_failures[r] = 0;
     if (j == 0 && r == 0) block_rank = 0;
     const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
@@ -211,19 +211,26 @@ _ENCODE_SOURCE = r"""
     }
 
     // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
+    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b: strides
+    // below 32 pair lanes of one warp (shuffles); wider ones pass through shared memory,
+    // a buffer per stride in turn, so one barrier a stride keeps every read before the
+    // next write to its buffer.
     const float value = static_cast<float>(v[base + j]);
-    own_lanes[j] = __fmul_rn(value, signs[j]);
-    __syncthreads();
-    for (unsigned int h = 1; h < D; h <<= 1) {
-        if ((j & h) == 0) {
-            const float a = own_lanes[j];
-            const float b = own_lanes[j + h];
-            own_lanes[j] = __fadd_rn(a, b);
-            own_lanes[j + h] = __fsub_rn(a, b);
-        }
-        __syncthreads();
+    float rotated = __fmul_rn(value, signs[j]);
+    #pragma unroll
+    for (unsigned int h = 1; h < 32 && h < D; h <<= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, rotated, h);
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
     }
-    const float y = __fmul_rn(own_lanes[j], __int_as_float(INV_SQRT_BITS));
+    #pragma unroll
+    for (unsigned int h = 32, turn = 0; h < D; h <<= 1, turn ^= 1) {
+        float* own_lanes = lane_values[turn] + r * D;
+        own_lanes[j] = rotated;
+        __syncthreads();
+        const float other = own_lanes[j ^ h];
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    }
+    const float y = __fmul_rn(rotated, __int_as_float(INV_SQRT_BITS));
     // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1).
     float partial = __fmul_rn(y, y);
     for (int w = 16; w > 0; w >>= 1) {
