@@ -3,8 +3,9 @@
 One thread block per stored vector, one thread per coordinate. Each thread unpacks
 its key code and value code straight from the packed bytes, decodes the key as
 (code + zero) * scale and the value as centroid[code] * scale, and, unless the
-values stay rotated, the block unrotates them in shared memory: butterflies at
-strides 1, 2, ..., D/2, one multiply by f32(1/sqrt(D)), then the signs. Every float
+values stay rotated, the block unrotates them: butterflies at strides 1, 2, ..., D/2
+(within a warp by shuffles, across warps through shared memory), one multiply by
+f32(1/sqrt(D)), then the signs. Every float
 step is an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`,
 `__fmul_rn`), so neither compiler flags nor FMA contraction can change a bit: the
 result equals the plain MLX path (and the reference) bit for bit.
@@ -60,25 +61,29 @@ _SOURCE = r"""
         const unsigned long long stride = D * VBITS / 8;
         value_code = kvspec_tq_code<VBITS>(v_packed + (unsigned long long)row * stride, j);
     }
-    const float rotated =
+    float rotated =
         __fmul_rn(centroids[value_code], __half2float(v_scales[group_base + group]));
     if (DEFER) {
         values[base + j] = rotated;
         return;
     }
-    __shared__ float lane[D];
-    lane[j] = rotated;
-    __syncthreads();
-    for (unsigned int h = 1; h < D; h <<= 1) {
-        if ((j & h) == 0) {
-            const float a = lane[j];
-            const float b = lane[j + h];
-            lane[j] = __fadd_rn(a, b);
-            lane[j + h] = __fsub_rn(a, b);
-        }
-        __syncthreads();
+    // Butterflies at strides 1 .. D/2 (element j of a pair (j, j + h) becomes a + b,
+    // element j + h a - b): lanes of one warp by shuffles, wider strides through shared
+    // memory, a buffer per stride in turn (one barrier a stride).
+    #pragma unroll
+    for (unsigned int h = 1; h < 32 && h < D; h <<= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, rotated, h);
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
     }
-    const float scaled = __fmul_rn(lane[j], __int_as_float(INV_SQRT_BITS));
+    __shared__ float lane[2][D];
+    #pragma unroll
+    for (unsigned int h = 32, turn = 0; h < D; h <<= 1, turn ^= 1) {
+        lane[turn][j] = rotated;
+        __syncthreads();
+        const float other = lane[turn][j ^ h];
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    }
+    const float scaled = __fmul_rn(rotated, __int_as_float(INV_SQRT_BITS));
     values[base + j] = __fmul_rn(scaled, signs[j]);
 """
 
