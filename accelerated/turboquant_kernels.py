@@ -163,6 +163,8 @@ _ENCODE_SOURCE = r"""
     __shared__ unsigned int block_rank;
     unsigned char* own_keys = key_codes + r * D;
     unsigned char* own_values = value_codes + r * D;
+    // Ordered before the atomics below by the rotation's first barrier (D >= 64: TQ's
+    // head dims have a stride of 32 or more, which crosses warps).
     if (j == 0) row_failures[r] = 0;
     if (j == 0 && r == 0) block_rank = 0;
     const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
