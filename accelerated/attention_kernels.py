@@ -73,6 +73,10 @@ _SLOT_INPUTS = [
     "slot_row",
     *(f"new_{side}_{field}" for side in "kv" for field in ("codes", "scales", "biases")),
 ]
+_MERGE_CALL = (
+    "kvspec_attn::merge_pass<DV, ROTATED, OT, INV_SQRT_BITS>(partial, stats, stats_shape, "
+    "signs, out);"
+)
 # The template constants of pass 1 (_plan) in the order partial_pass takes them.
 _PARTIAL_CONSTANTS = (
     "QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS, KGROUP, VFMT, VBITS, VGROUP, "
@@ -134,10 +138,7 @@ def _merge_kernel() -> object:
         name="kvspec_decode_merge",
         input_names=["partial", "stats", "signs"],
         output_names=["out"],
-        source=(
-            "kvspec_attn::merge_pass<DV, ROTATED, OT, INV_SQRT_BITS>("
-            "partial, stats, stats_shape, signs, out);"
-        ),
+        source=_MERGE_CALL,
         header=_INCLUDE,
     )
 

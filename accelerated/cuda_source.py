@@ -1,12 +1,10 @@
-"""CUDA source as the custom kernels hand it to MLX: short.
+"""CUDA source as the custom kernels hand it to MLX: a call into an included file.
 
 MLX builds a custom kernel's whole source string at every call and hashes it again at
 every evaluation (MLX 0.32, `mx.fast.cuda_kernel`), so the length of the source is host
-time spent on every decode step. Two ways to keep it short:
-- `included`: the code lives in a file of `accelerated/cuda/`, which the kernel's header
-  includes; the source is a call into it;
-- `compact`: the source without comments or indentation (the commented source stays in
-  the modules, for reading).
+time spent on every decode step. The kernels' code therefore lives in the files of
+`accelerated/cuda/`, which each kernel's header includes (`included`), and the source
+MLX builds is one call into it.
 """
 
 from __future__ import annotations
@@ -17,14 +15,6 @@ from pathlib import Path
 
 #: The CUDA files the kernels include.
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
-
-
-def compact(source: str) -> str:
-    """`source` without `//` comments, leading and trailing blanks and empty lines. Lines
-    stay lines, so preprocessor directives and `#pragma unroll` keep theirs. The kernels'
-    sources hold no `//` inside a string literal, which this would cut."""
-    lines = (line.split("//", 1)[0].strip() for line in source.splitlines())
-    return "".join(line + "\n" for line in lines if line)
 
 
 @cache

@@ -1,7 +1,6 @@
-"""The MLX backend's CUDA sources are handed to MLX short (`accelerated/cuda_source.py`):
-compacted (comments and indentation go, every token stays) or included from a file of
-`accelerated/cuda/` (the source is a call). These run on any device: the sources are
-text."""
+"""The MLX backend's CUDA kernels hand MLX a call into a file of `accelerated/cuda/`, which
+their header includes (`accelerated/cuda_source.py`): MLX builds and hashes that source at
+every call. These run on any device: the sources are text."""
 
 from __future__ import annotations
 
@@ -12,40 +11,55 @@ import pytest
 from kvspec.conformance.backend import Backend
 
 
-def _sources() -> dict[str, str]:
-    from kvspec.accelerated import affine_kernels, turboquant_kernels
+def _calls() -> dict[str, tuple[str, str]]:
+    """Each kernel's source (a call) and the file holding the function it calls."""
+    from kvspec.accelerated import affine_kernels, attention_kernels, turboquant_kernels
 
-    sources = {
-        "turboquant header": turboquant_kernels._HEADER,
-        "turboquant decode": turboquant_kernels._SOURCE,
-        "turboquant encode": turboquant_kernels._ENCODE_SOURCE,
-        "affine encode": affine_kernels._SOURCE,
+    calls = {
+        "attention merge": (attention_kernels._MERGE_CALL, "decode_attention.cuh"),
+        "turboquant decode": (turboquant_kernels._DECODE_CALL, "turboquant.cuh"),
+        "turboquant encode": (turboquant_kernels._ENCODE_CALL, "turboquant.cuh"),
+        "affine encode": (affine_kernels._ONE_TENSOR_CALL, "affine.cuh"),
+        "affine encode, keys and values": (affine_kernels._PAIR_CALL, "affine.cuh"),
     }
-    return sources
+    for mma in (False, True):
+        for counted, slot in ((False, False), (True, False), (True, True)):
+            call = attention_kernels._partial_call(mma, counted, slot)
+            calls[f"attention pass 1 mma={mma} counted={counted} slot={slot}"] = (
+                call,
+                "decode_attention.cuh",
+            )
+    return calls
 
 
-def _tokens(source: str) -> list[str]:
-    without_comments = re.sub(r"//[^\n]*", "", source)
-    return re.findall(r"\w+|[^\w\s]", without_comments)
+def _parameters(code: str, function: str) -> list[str]:
+    """The parameter names of `function`'s definition in `code`."""
+    start = code.index(f"void {function}(")
+    signature = code[start : code.index(") {", start)].split("(", 1)[1]
+    return [part.split()[-1].strip("&*") for part in signature.split(",")]
 
 
-def test_compacting_keeps_every_token_and_every_line_break_a_directive_needs(
-    backend: Backend,
-) -> None:
+def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) -> None:
+    """Every argument is its parameter's namesake (so MLX, which passes an input's shape or
+    strides only when the source names them, passes what the function reads), or a stand-in
+    for an input the variant does not have (a null pointer, the key codes' strides)."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's CUDA sources")
-    from kvspec.accelerated.cuda_source import compact
+    from kvspec.accelerated.cuda_source import CUDA_DIR
 
-    for name, source in _sources().items():
-        # What compact cannot keep apart: a comment marker inside a string, a continued line.
-        assert not re.search(r'"[^"\n]*//', source), name
-        assert "\\\n" not in source, name
-        compacted = compact(source)
-        assert _tokens(compacted) == _tokens(source), name
-        assert "//" not in compacted and "\n\n" not in compacted, name
-        directives = [line.strip() for line in source.splitlines() if line.strip()[:1] == "#"]
-        assert [line for line in compacted.splitlines() if line[:1] == "#"] == directives, name
-        assert len(compacted) < len(source), name
+    for name, (call, file) in _calls().items():
+        assert len(call) < 1024, name
+        function = re.match(r"\w+::(\w+)<", call)
+        assert function is not None, name
+        parameters = _parameters((CUDA_DIR / file).read_text(), function.group(1))
+        arguments = [a.strip() for a in call.split(">(", 1)[1].removesuffix(");").split(",")]
+        assert len(arguments) == len(parameters), name
+        for parameter, argument in zip(parameters, arguments, strict=True):
+            assert argument in (parameter, "nullptr", "k_codes_strides"), (name, parameter)
+    pass1 = _calls()["attention pass 1 mma=True counted=False slot=False"][0]
+    assert "rows" not in pass1 and "slot_row" not in pass1
+    counted_slot = _calls()["attention pass 1 mma=True counted=True slot=True"][0]
+    assert "rows," in counted_slot and "slot_row," in counted_slot
 
 
 def test_an_included_file_is_named_by_its_path_and_its_contents(
@@ -70,28 +84,3 @@ def test_an_included_file_is_named_by_its_path_and_its_contents(
             cuda_source.included("missing.cuh")
     finally:
         cuda_source.included.cache_clear()
-
-
-def test_the_decode_attention_kernels_hand_mlx_a_call_not_their_code(backend: Backend) -> None:
-    """Pass 1 and the merge include accelerated/cuda/decode_attention.cuh, whose entry
-    points they call with every argument the function takes, by name: the source MLX
-    builds and hashes at every call stays under a kilobyte."""
-    if backend.package != "kvspec.accelerated":
-        pytest.skip("the MLX backend's CUDA sources")
-    from kvspec.accelerated import attention_kernels, cuda_source
-
-    code = (cuda_source.CUDA_DIR / "decode_attention.cuh").read_text()
-    signature = code[
-        code.index("void partial_pass(") : code.index(") {", code.index("void partial_pass("))
-    ]
-    parameters = [part.split()[-1].strip("&*") for part in signature.split("(", 1)[1].split(",")]
-    for mma in (False, True):
-        for counted, slot in ((False, False), (True, False), (True, True)):
-            call = attention_kernels._partial_call(mma, counted, slot)
-            assert len(call) < 1024
-            arguments = [a.strip() for a in call.split(">(", 1)[1].rstrip(");").split(",")]
-            assert len(arguments) == len(parameters)
-            for parameter, argument in zip(parameters, arguments, strict=True):
-                # each argument is the parameter's namesake, or a stand-in the variant never reads
-                assert argument in (parameter, "nullptr", "k_codes_strides"), (parameter, argument)
-            assert ("rows" in arguments) == counted and ("slot_row" in arguments) == slot

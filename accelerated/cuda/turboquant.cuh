@@ -1,0 +1,236 @@
+// TurboQuant's fused CUDA kernels (spec TQ-3 .. TQ-10): accelerated/turboquant_kernels.py
+// describes them. Its custom kernels include this file and call decode_row and
+// encode_rows, so that the source MLX builds and hashes at every call stays short.
+#pragma once
+
+namespace kvspec_tq {
+
+template <int BITS, typename T>
+__device__ __forceinline__ unsigned int code_at(const T* row, unsigned int j) {
+    // Code j of an LSB-first byte stream (TQ-9); a code of <= 8 bits spans <= 2 bytes.
+    const unsigned int bit = j * BITS;
+    const unsigned int byte = bit >> 3;
+    const unsigned int shift = bit & 7u;
+    unsigned int window = (unsigned int)(unsigned char)row[byte];
+    if (shift + BITS > 8) {
+        window |= (unsigned int)(unsigned char)row[byte + 1] << 8;
+    }
+    return (window >> shift) & ((1u << BITS) - 1u);
+}
+
+// TQ-5, TQ-8, TQ-9: one stored vector per block (blockIdx.x), one thread per coordinate.
+template <int D, int KBITS, int VBITS, bool DEFER, int INV_SQRT_BITS, typename KI>
+__device__ __forceinline__ void decode_row(
+    const KI* k_idx, const __half* k_scales, const __half* k_zeros, const uint8_t* v_packed,
+    const __half* v_scales, const float* centroids, const float* signs, float* keys,
+    float* values) {
+    const unsigned int row = blockIdx.x;
+    const unsigned int j = threadIdx.x;
+    const unsigned int group = j / 32;
+    const unsigned long long base = (unsigned long long)row * D;
+    const unsigned long long group_base = (unsigned long long)row * (D / 32);
+
+    float key_code;
+    if (KBITS == 8) {
+        key_code = (float)(int)(signed char)k_idx[base + j];
+    } else {
+        const unsigned long long stride = D * KBITS / 8;
+        key_code = (float)code_at<KBITS>(k_idx + (unsigned long long)row * stride, j);
+    }
+    const float key_zero = __half2float(k_zeros[group_base + group]);
+    const float key_scale = __half2float(k_scales[group_base + group]);
+    keys[base + j] = __fmul_rn(__fadd_rn(key_code, key_zero), key_scale);
+
+    unsigned int value_code;
+    if (VBITS == 8) {
+        value_code = (unsigned int)v_packed[base + j];
+    } else {
+        const unsigned long long stride = D * VBITS / 8;
+        value_code = code_at<VBITS>(v_packed + (unsigned long long)row * stride, j);
+    }
+    float rotated =
+        __fmul_rn(centroids[value_code], __half2float(v_scales[group_base + group]));
+    if (DEFER) {
+        values[base + j] = rotated;
+        return;
+    }
+    // Butterflies at strides 1 .. D/2 (element j of a pair (j, j + h) becomes a + b,
+    // element j + h a - b): lanes of one warp by shuffles, wider strides through shared
+    // memory, a buffer per stride in turn (one barrier a stride).
+    #pragma unroll
+    for (unsigned int h = 1; h < 32 && h < D; h <<= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, rotated, h);
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    }
+    __shared__ float lane[2][D];
+    #pragma unroll
+    for (unsigned int h = 32, turn = 0; h < D; h <<= 1, turn ^= 1) {
+        lane[turn][j] = rotated;
+        __syncthreads();
+        const float other = lane[turn][j ^ h];
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    }
+    const float scaled = __fmul_rn(rotated, __int_as_float(INV_SQRT_BITS));
+    values[base + j] = __fmul_rn(scaled, signs[j]);
+}
+
+// TQ-3 .. TQ-10 in one pass: each block encodes R positions of a head, keys and values.
+template <typename T, int D, int KBITS, int VBITS, int INV_SQRT_BITS, int CHECKS,
+          typename Shape, typename KI>
+__device__ __forceinline__ void encode_rows(
+    const T* k, const Shape& k_shape, const T* v, const float* boundaries, const float* signs,
+    const uint32_t* prior, KI* k_idx, __half* k_scales, __half* k_zeros, uint8_t* v_packed,
+    __half* v_scales, uint32_t* total) {
+    // Block: R rows (positions of a head) of D threads; thread (j, r) holds element j of
+    // row r. Warp w of a row is key group w and value group w (groups of 32).
+    const unsigned int j = threadIdx.x;
+    const unsigned int r = threadIdx.y;
+    const unsigned int R = blockDim.y;
+    const unsigned int lane = j & 31;
+    const unsigned int group = j >> 5;
+    // k is [B, H, L, D] (the caller checks): constant indices, no loop over the shape.
+    const unsigned long long rows =
+        (unsigned long long)k_shape[0] * (unsigned long long)k_shape[1] * k_shape[2];
+    const unsigned long long row_index = (unsigned long long)blockIdx.x * R + r;
+    const bool active = row_index < rows;
+    const unsigned long long row = active ? row_index : rows - 1;
+    const unsigned long long base = row * D;
+    const unsigned long long group_base = row * (D / 32);
+    __shared__ unsigned char key_codes[1024];
+    __shared__ unsigned char value_codes[1024];
+    __shared__ float lane_values[2][1024];
+    __shared__ unsigned int row_failures[32];
+    __shared__ unsigned int block_rank;
+    unsigned char* own_keys = key_codes + r * D;
+    unsigned char* own_values = value_codes + r * D;
+    // Ordered before the atomics below by the rotation's first barrier (D >= 64: TQ's
+    // head dims have a stride of 32 or more, which crosses warps).
+    if (j == 0) row_failures[r] = 0;
+    if (j == 0 && r == 0) block_rank = 0;
+    const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
+
+    // TQ-4 keys: the group's range, scale, step and zero point, each one IEEE operation.
+    const float x = static_cast<float>(k[base + j]);
+    bool finite = isfinite(x);
+    float top = x, bottom = x;
+    for (int o = 16; o > 0; o >>= 1) {
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+        bottom = fminf(bottom, __shfl_xor_sync(0xffffffffu, bottom, o));
+    }
+    finite = __all_sync(0xffffffffu, finite);
+    const bool is_signed = KBITS == 8;
+    const float levels = is_signed ? 254.0f : (float)((1 << KBITS) - 1);
+    const float eps = 1e-8f;
+    const float span = __fsub_rn(top, bottom);
+    float scale = __fdiv_rn(span, levels);
+    const float step = __fadd_rn(scale, eps);
+    float zero = is_signed ? rintf(__fdiv_rn(__fadd_rn(top, bottom), __fmul_rn(step, 2.0f)))
+                           : rintf(__fdiv_rn(bottom, step));
+    zero = __fadd_rn(zero, 0.0f);  // a zero point of -0 is stored as +0
+    // TQ-11: a constant group stores its magnitude and its sign.
+    const bool constant = span == 0.0f;
+    const float sign = top > 0.0f ? 1.0f : (top < 0.0f ? -1.0f : 0.0f);
+    if (constant) {
+        scale = fabsf(top);
+        zero = is_signed ? 0.0f : fminf(sign, 0.0f);
+    }
+    const __half scale16 = __float2half_rn(scale);
+    const __half zero16 = __float2half_rn(zero);
+    const bool scale_fits = isfinite(__half2float(scale16));
+    const bool zero_fits = isfinite(__half2float(zero16));
+    float code = constant ? __fsub_rn(sign, zero) : rintf(__fsub_rn(__fdiv_rn(x, step), zero));
+    const bool key_ok = finite && scale_fits && zero_fits;
+    if (is_signed) {
+        code = fminf(fmaxf(code, -127.0f), 127.0f);
+    } else {
+        code = fminf(fmaxf(code, 0.0f), levels);
+    }
+    // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
+    const int key_code = key_ok ? (int)code : 0;
+    if (is_signed) {
+        if (active) k_idx[base + j] = (signed char)key_code;
+    } else {
+        own_keys[j] = (unsigned char)key_code;
+    }
+    if (active && lane == 0) {
+        k_scales[group_base + group] = key_ok ? scale16 : nan16;
+        k_zeros[group_base + group] = key_ok ? zero16 : __float2half_rn(0.0f);
+    }
+
+    // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
+    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b: strides
+    // below 32 pair lanes of one warp (shuffles); wider ones pass through shared memory,
+    // a buffer per stride in turn, so one barrier a stride keeps every read before the
+    // next write to its buffer.
+    const float value = static_cast<float>(v[base + j]);
+    float rotated = __fmul_rn(value, signs[j]);
+    #pragma unroll
+    for (unsigned int h = 1; h < 32 && h < D; h <<= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, rotated, h);
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    }
+    #pragma unroll
+    for (unsigned int h = 32, turn = 0; h < D; h <<= 1, turn ^= 1) {
+        float* own_lanes = lane_values[turn] + r * D;
+        own_lanes[j] = rotated;
+        __syncthreads();
+        const float other = own_lanes[j ^ h];
+        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    }
+    const float y = __fmul_rn(rotated, __int_as_float(INV_SQRT_BITS));
+    // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1).
+    float partial = __fmul_rn(y, y);
+    for (int w = 16; w > 0; w >>= 1) {
+        const float other = __shfl_down_sync(0xffffffffu, partial, w);
+        if (lane < (unsigned int)w) partial = __fadd_rn(partial, other);
+    }
+    const float rms = __fsqrt_rn(__fdiv_rn(__shfl_sync(0xffffffffu, partial, 0), 32.0f));
+    const __half rms16 = __float2half_rn(rms);
+    const bool value_ok = isfinite(__half2float(rms16));
+    const float u = __fdiv_rn(y, __fadd_rn(rms, eps));
+    // The number of boundaries strictly below u, by binary search over the sorted table.
+    unsigned int count = 0;
+    for (unsigned int stride = 1u << (VBITS - 1); stride >= 1; stride >>= 1) {
+        if (boundaries[count + stride - 1] < u) count += stride;
+    }
+    own_values[j] = value_ok ? (unsigned char)count : 0;
+    if (active && lane == 0) v_scales[group_base + group] = value_ok ? rms16 : nan16;
+
+    // DEFER-2: bit i of a row's failures is TQ-3's check i; the row's rank names its
+    // lowest bit, the block's rank is the largest, folded into the prior one (DEFER-3).
+    unsigned int bits = 0;
+    if (!finite && lane == 0) bits |= 1u;
+    if (!isfinite(value)) bits |= 2u;
+    if (!scale_fits && lane == 0) bits |= 4u;
+    if (!zero_fits && lane == 0) bits |= 8u;
+    if (!value_ok && lane == 0) bits |= 16u;
+    if (active && bits != 0) atomicOr(&row_failures[r], bits);
+    __syncthreads();
+    if (j == 0 && row_failures[r] != 0) {
+        atomicMax(&block_rank, CHECKS - __ffs(row_failures[r]) + 1);
+    }
+
+    // TQ-9: each vector's codes as one LSB-first byte stream; thread m writes byte m.
+    if (active && !is_signed && j < D * KBITS / 8) {
+        unsigned int byte = 0;
+        for (unsigned int i = (8 * j) / KBITS; i <= (8 * j + 7) / KBITS; ++i) {
+            const int shift = (int)(i * KBITS) - (int)(8 * j);
+            const unsigned int c = own_keys[i];
+            byte |= shift >= 0 ? c << shift : c >> -shift;
+        }
+        k_idx[row * (D * KBITS / 8) + j] = (unsigned char)byte;
+    }
+    if (active && j < D * VBITS / 8) {
+        unsigned int byte = 0;
+        for (unsigned int i = (8 * j) / VBITS; i <= (8 * j + 7) / VBITS; ++i) {
+            const int shift = (int)(i * VBITS) - (int)(8 * j);
+            const unsigned int c = own_values[i];
+            byte |= shift >= 0 ? c << shift : c >> -shift;
+        }
+        v_packed[row * (D * VBITS / 8) + j] = (unsigned char)byte;
+    }
+    __syncthreads();
+    if (j == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);
+}
+
+}  // namespace kvspec_tq
