@@ -5,6 +5,8 @@
 
 namespace kvspec_attn {
 
+// What both bodies use: a lane's share of a row, loaded raw and decoded in registers.
+
 template <typename T>
 __device__ __forceinline__ float rounded(float x) {
     // x rounded to T and widened back (CONV-2): the read format's rounding.
@@ -208,6 +210,8 @@ struct LaneRow {
     }
 };
 
+// What only the CUDA-core body uses: the warp reductions and the stage update.
+
 template <int G>
 __device__ __forceinline__ void warp_sums(float (&dot)[G], int lane) {
     // Every lane gets the warp-wide sum of each of its G partial dot products. Halving
@@ -293,6 +297,8 @@ __device__ __forceinline__ void attend_stage(
         }
     }
 }
+
+// What only the tensor-core body uses: the chunk tag, TF32 rounding and the MMA.
 
 // A chunk body's tag: WHOLE true when all 8 of its positions are before the split's end.
 template <bool B>
