@@ -1,10 +1,11 @@
 """The affine encoder as one CUDA kernel (spec AFF-2 .. AFF-5), for MLX's CUDA backend.
 
-One warp per group: min and max by warp shuffles, then scale and bias, then the codes,
-packed into the group's own words (a group of 32, 64 or 128 codes fills whole words
-at every width), one word per lane. Every float step is an explicitly rounded IEEE
-intrinsic (`__fsub_rn`, `__fdiv_rn`, `rintf`), so neither compiler flags nor
-contraction can change a bit.
+A group of GROUP elements takes GROUP / 8 threads, each holding 8 consecutive elements:
+min and max by shuffles among them, then scale and bias, then the codes, packed into the
+group's own words (a group of 32, 64 or 128 codes fills whole words at every width): at
+2, 4 and 8 bits in registers, at other widths through shared memory. Every float step is
+an explicitly rounded IEEE intrinsic (`__fsub_rn`, `__fdiv_rn`, `rintf`), so neither
+compiler flags nor contraction can change a bit.
 The kernel also ranks input the format cannot hold (AFF-1, AFF-7) as DEFER-2 does: 2 for
 NaN or inf, 1 for a range or edge / scale that overflows float32; such a group is stored as
 DEFER-1 says (codes 0, bias 0, a quiet NaN scale). Each block folds its groups' largest
@@ -23,7 +24,10 @@ from kvspec.accelerated.cuda_source import included
 from kvspec.accelerated.dtypes import dtype_name
 from kvspec.reference.dtypes import QUIET_NAN_BITS
 
-_WARPS_PER_BLOCK = 32  # as in affine.cuh: a decode step's groups fit in one block
+#: Threads per block and elements per thread, as in affine.cuh: a decode step's groups
+#: fit in one block.
+_BLOCK_THREADS = 1024
+_PER_THREAD = 8
 
 #: The kernel's code (cuda_source.included): the source MLX builds at every call is a call.
 _INCLUDE = included("affine.cuh")
@@ -101,7 +105,9 @@ def _launch(
     w = tensors[0]
     *lead, D = w.shape
     n_groups = len(tensors) * (w.size // group_size)
-    blocks = -(-n_groups // _WARPS_PER_BLOCK)
+    # Whole warps (the shuffles take every lane; threads past the last group write nothing).
+    threads = -(-n_groups * (group_size // _PER_THREAD) // 32) * 32
+    blocks = -(-threads // _BLOCK_THREADS)
     *fields, totals = kernel(
         inputs=[*tensors, no_failure() if prior is None else prior],
         template=[
@@ -110,8 +116,8 @@ def _launch(
             ("BITS", bits),
             ("NAN_BITS", QUIET_NAN_BITS[dtype_name(w.dtype)]),
         ],
-        grid=(n_groups * 32, 1, 1),
-        threadgroup=(_WARPS_PER_BLOCK * 32, 1, 1),
+        grid=(threads, 1, 1),
+        threadgroup=(_BLOCK_THREADS, 1, 1),
         output_shapes=[(*lead, D * bits // 32), (*lead, D // group_size), (*lead, D // group_size)]
         * len(tensors)
         + [(blocks,)],

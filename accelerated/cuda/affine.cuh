@@ -5,28 +5,54 @@
 
 namespace kvspec_affine {
 
-// The groups of w (and, PAIR, of v after them), one warp each.
+// Elements of a group one lane holds: consecutive, one 16-byte load for 2-byte formats.
+constexpr int PER_LANE = 8;
+
+template <typename T>
+__device__ __forceinline__ void load_lane(const T* src, float (&x)[PER_LANE]) {
+    // PER_LANE consecutive elements: 16-byte loads where the address allows (a group starts
+    // at a multiple of 32 elements, so only an input that begins off 16 bytes does not).
+    constexpr int PER_VECTOR = 16 / (int)sizeof(T);
+    if (reinterpret_cast<unsigned long long>(src) % 16 == 0) {
+        #pragma unroll
+        for (int i = 0; i < PER_LANE / PER_VECTOR; ++i) {
+            const uint4 raw = reinterpret_cast<const uint4*>(src)[i];
+            T values[PER_VECTOR];
+            memcpy(values, &raw, 16);
+            #pragma unroll
+            for (int k = 0; k < PER_VECTOR; ++k) x[i * PER_VECTOR + k] = static_cast<float>(values[k]);
+        }
+    } else {
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) x[k] = static_cast<float>(src[k]);
+    }
+}
+
+// The groups of w (and, PAIR, of v after them). A group of GROUP elements takes LANES =
+// GROUP / PER_LANE consecutive threads, thread `part` of the group holding its elements
+// [PER_LANE part, PER_LANE part + PER_LANE): the range reduces over log2(LANES) shuffles,
+// and at 2, 4 and 8 bits a thread's codes fill half a word, one word or two words of the
+// group's stream (BITS-2) in registers; other widths pack through shared memory.
 template <bool PAIR, typename T, int GROUP, int BITS, int NAN_BITS, typename Shape>
 __device__ __forceinline__ void quantize_groups(
     const T* w, const Shape& w_shape, int w_ndim, const T* v, const uint32_t* prior,
     uint32_t* wq, T* scales, T* biases, uint32_t* v_wq, T* v_scales, T* v_biases,
     uint32_t* total) {
-    // One warp per group; lane l holds elements l, l + 32, ... (reads coalesce).
-    constexpr int PER_LANE = GROUP / 32;
+    constexpr int LANES = GROUP / PER_LANE;  // 4, 8 or 16
+    constexpr int GROUPS_PER_BLOCK = 1024 / LANES;  // blocks of 1024 threads
     constexpr int WORDS = GROUP * BITS / 32;
-    constexpr int WARPS_PER_BLOCK = 32;
-    __shared__ unsigned char codes[WARPS_PER_BLOCK * GROUP];
+    __shared__ unsigned char codes[GROUPS_PER_BLOCK * GROUP];
     __shared__ unsigned int block_rank;
-    const unsigned int lane = threadIdx.x & 31;
-    const unsigned int warp = threadIdx.x >> 5;
+    const unsigned int part = threadIdx.x % LANES;
+    const unsigned int slot = threadIdx.x / LANES;
     if (threadIdx.x == 0) block_rank = 0;
     __syncthreads();
-    const unsigned long long index = (unsigned long long)blockIdx.x * WARPS_PER_BLOCK + warp;
+    const unsigned long long index = (unsigned long long)blockIdx.x * GROUPS_PER_BLOCK + slot;
     unsigned long long size = 1;
     for (int axis = 0; axis < w_ndim; ++axis) size *= w_shape[axis];
     const unsigned long long groups = size / GROUP;
-    // Which tensor a warp's group comes from (PAIR: keys' groups first, then the values'
-    // of the same shape), and where its codes, scale and bias go.
+    // Which tensor a group comes from (PAIR: keys' groups first, then the values' of the
+    // same shape), and where its codes, scale and bias go.
     const bool second = PAIR && index >= groups;
     const bool active = index < (PAIR ? 2 : 1) * groups;
     const unsigned long long group = second ? index - groups : index;
@@ -34,22 +60,26 @@ __device__ __forceinline__ void quantize_groups(
     unsigned int* words = second ? v_wq : wq;
     T* group_scales = second ? v_scales : scales;
     T* group_biases = second ? v_biases : biases;
-    const T* src = source + (active ? group : 0) * GROUP;
+
     float x[PER_LANE];
+    load_lane<T>(source + (active ? group : 0) * GROUP + part * PER_LANE, x);
     float w_min = __int_as_float(0x7f800000);
     float w_max = -w_min;
     bool finite = true;
+    #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
-        x[k] = static_cast<float>(src[lane + 32 * k]);
         finite = finite && isfinite(x[k]);
         w_min = fminf(w_min, x[k]);
         w_max = fmaxf(w_max, x[k]);
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
+    // The group's threads are consecutive lanes of one warp (LANES divides 32).
+    int all_finite = finite;
+    #pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset >>= 1) {
         w_min = fminf(w_min, __shfl_xor_sync(0xffffffffu, w_min, offset));
         w_max = fmaxf(w_max, __shfl_xor_sync(0xffffffffu, w_max, offset));
+        all_finite &= __shfl_xor_sync(0xffffffffu, all_finite, offset);
     }
-    finite = __all_sync(0xffffffffu, finite);
     const float n_bins = (float)((1 << BITS) - 1);
     float span = __fsub_rn(w_max, w_min);
     bool negative = fabsf(w_min) > fabsf(w_max);
@@ -63,24 +93,51 @@ __device__ __forceinline__ void quantize_groups(
         bias = edge;
     }
     // DEFER-2's rank of the group's first failed check of AFF-1, AFF-7 (0: none).
-    const unsigned int failure = !finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
-    unsigned char* own = codes + warp * GROUP;
+    const unsigned int failure = !all_finite ? 2 : (isfinite(span) && isfinite(q0) ? 0 : 1);
+    unsigned int code[PER_LANE];
+    #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
         float q = rintf(__fdiv_rn(__fsub_rn(x[k], bias), scale));
-        own[lane + 32 * k] = failure ? 0 : (unsigned char)fminf(fmaxf(q, 0.0f), n_bins);
+        code[k] = failure ? 0 : (unsigned int)fminf(fmaxf(q, 0.0f), n_bins);
     }
-    __syncwarp();
-    if (active && lane < WORDS) {
-        // Word `lane` holds stream bits [32 lane, 32 lane + 32) (BITS-2).
-        unsigned int word = 0;
-        for (int i = (32 * lane) / BITS; i <= (32 * lane + 31) / BITS; ++i) {
-            int shift = i * BITS - 32 * (int)lane;
-            unsigned int code = own[i];
-            word |= shift >= 0 ? code << shift : code >> -shift;
+    // The group's stream (BITS-2): code i at bits [BITS i, BITS i + BITS), LSB first.
+    unsigned int* group_words = words + group * WORDS;
+    if constexpr (BITS == 4 || BITS == 8) {
+        // PER_LANE * BITS / 32 whole words of the thread's own codes.
+        constexpr int OWN = PER_LANE * BITS / 32;
+        constexpr int PER_WORD = 32 / BITS;
+        #pragma unroll
+        for (int i = 0; i < OWN; ++i) {
+            unsigned int word = 0;
+            #pragma unroll
+            for (int k = 0; k < PER_WORD; ++k) word |= code[i * PER_WORD + k] << (k * BITS);
+            if (active) group_words[part * OWN + i] = word;
         }
-        words[group * WORDS + lane] = word;
+    } else if constexpr (BITS == 2) {
+        // Half a word each: an even thread takes its odd neighbour's half as the top one.
+        unsigned int half = 0;
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) half |= code[k] << (k * BITS);
+        const unsigned int upper = __shfl_down_sync(0xffffffffu, half, 1);
+        if (active && part % 2 == 0) group_words[part / 2] = half | (upper << 16);
+    } else {
+        // Words that straddle threads: the codes through shared memory, then word by word.
+        unsigned char* own = codes + slot * GROUP;
+        #pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) own[part * PER_LANE + k] = (unsigned char)code[k];
+        __syncwarp();
+        for (int j = part; j < WORDS; j += LANES) {
+            // Word j holds stream bits [32 j, 32 j + 32).
+            unsigned int word = 0;
+            for (int i = (32 * j) / BITS; i <= (32 * j + 31) / BITS; ++i) {
+                const int shift = i * BITS - 32 * j;
+                const unsigned int c = own[i];
+                word |= shift >= 0 ? c << shift : c >> -shift;
+            }
+            if (active) group_words[j] = word;
+        }
     }
-    if (active && lane == 0) {
+    if (active && part == 0) {
         T nan_value;
         const unsigned int nan_bits = NAN_BITS;
         memcpy(&nan_value, &nan_bits, sizeof(T));  // little-endian: the low bytes
