@@ -24,9 +24,11 @@ from kvspec.accelerated.cuda_source import included
 from kvspec.accelerated.dtypes import dtype_name
 from kvspec.reference.dtypes import QUIET_NAN_BITS
 
-#: Threads per block and elements per thread, as in affine.cuh: a decode step's groups
-#: fit in one block.
-_BLOCK_THREADS = 1024
+#: Elements per thread, as in affine.cuh. Groups that 1024 threads hold (a decode step's)
+#: take one block, so their failure needs no fold; more take blocks of 256 threads, whose
+#: 35 to 39 registers a thread let six blocks share an SM where two of 1024 would not fit.
+_ONE_BLOCK_THREADS = 1024
+_BLOCK_THREADS = 256
 _PER_THREAD = 8
 
 #: The kernel's code (cuda_source.included): the source MLX builds at every call is a call.
@@ -107,7 +109,8 @@ def _launch(
     n_groups = len(tensors) * (w.size // group_size)
     # Whole warps (the shuffles take every lane; threads past the last group write nothing).
     threads = -(-n_groups * (group_size // _PER_THREAD) // 32) * 32
-    blocks = -(-threads // _BLOCK_THREADS)
+    block_threads = threads if threads <= _ONE_BLOCK_THREADS else _BLOCK_THREADS
+    blocks = -(-threads // block_threads)
     *fields, totals = kernel(
         inputs=[*tensors, no_failure() if prior is None else prior],
         template=[
@@ -117,7 +120,7 @@ def _launch(
             ("NAN_BITS", QUIET_NAN_BITS[dtype_name(w.dtype)]),
         ],
         grid=(threads, 1, 1),
-        threadgroup=(_BLOCK_THREADS, 1, 1),
+        threadgroup=(block_threads, 1, 1),
         output_shapes=[(*lead, D * bits // 32), (*lead, D // group_size), (*lead, D // group_size)]
         * len(tensors)
         + [(blocks,)],

@@ -7,8 +7,9 @@ unpacks its key code and value code straight from the packed bytes, decodes the 
 (code + zero) * scale and the value as centroid[code] * scale, and, unless the values
 stay rotated, the block unrotates them: butterflies at strides 1, 2, ..., D/2 (within a
 warp by shuffles, across warps through shared memory), one multiply by f32(1/sqrt(D)),
-then the signs. Encode: a block holds as many vectors as 1024 threads do, one thread per
-coordinate, and runs TQ-4's key groups, TQ-6's rotation, TQ-7's rms and boundary search
+then the signs. Encode: one thread per coordinate; a decode step's vectors (up to 1024
+threads' worth) take one block, more take blocks of 256 threads or one vector (whose
+barriers then wait on 8 warps, not 32); each runs TQ-4's key groups, TQ-6's rotation, TQ-7's rms and boundary search
 and TQ-9's packing, with DEFER-1's stored failures and DEFER-2's rank. Every float step is
 an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`, `__fmul_rn`, `__fdiv_rn`),
 so neither compiler flags nor FMA contraction can change a bit: the result equals the
@@ -24,6 +25,11 @@ import mlx.core as mx
 from kvspec.accelerated.cuda_source import included
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
+
+#: Threads of one encode block (below, fused_encode), and of an encode's blocks when one
+#: block would need more.
+_ONE_BLOCK_THREADS = 1024
+_BLOCK_THREADS = 256
 
 #: The kernels' code (cuda_source.included): the source MLX builds at every call is a call.
 _INCLUDE = included("turboquant.cuh")
@@ -110,12 +116,14 @@ def fused_encode(
 ) -> tuple[mx.array, ...]:
     """The five stored fields of k, v [B, H, L, D] (TQ-10), in one launch, and the failure
     (uint32 [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups
-    that fail are stored as DEFER-1 says. A block takes as many rows as 1024 threads hold,
-    so a decode step's rows fit one block; more blocks' ranks are folded by one more op.
-    Shapes, dtypes and widths are validated by the caller (turboquant.encode)."""
+    that fail are stored as DEFER-1 says. Rows that 1024 threads hold (a decode step's) take
+    one block; more take blocks of 256 threads (at least one row), whose ranks are folded by
+    one more op. Shapes, dtypes and widths are validated by the caller
+    (turboquant.encode)."""
     B, H, L, D = k.shape
     rows = B * H * L
-    per_block = max(1, min(rows, 1024 // D))
+    one_block = rows * D <= _ONE_BLOCK_THREADS
+    per_block = rows if one_block else max(1, _BLOCK_THREADS // D)
     blocks = -(-rows // per_block)
     groups = (B, H, L, D // 32)
     k_dtype = mx.int8 if k_bits == 8 else mx.uint8

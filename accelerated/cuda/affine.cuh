@@ -39,15 +39,15 @@ __device__ __forceinline__ void quantize_groups(
     uint32_t* wq, T* scales, T* biases, uint32_t* v_wq, T* v_scales, T* v_biases,
     uint32_t* total) {
     constexpr int LANES = GROUP / PER_LANE;  // 4, 8 or 16
-    constexpr int GROUPS_PER_BLOCK = 1024 / LANES;  // blocks of 1024 threads
+    constexpr int MOST_GROUPS_PER_BLOCK = 1024 / LANES;  // blocks of up to 1024 threads
     constexpr int WORDS = GROUP * BITS / 32;
-    __shared__ unsigned char codes[GROUPS_PER_BLOCK * GROUP];
+    __shared__ unsigned char codes[MOST_GROUPS_PER_BLOCK * GROUP];
     __shared__ unsigned int block_rank;
     const unsigned int part = threadIdx.x % LANES;
     const unsigned int slot = threadIdx.x / LANES;
     if (threadIdx.x == 0) block_rank = 0;
     __syncthreads();
-    const unsigned long long index = (unsigned long long)blockIdx.x * GROUPS_PER_BLOCK + slot;
+    const unsigned long long index = (unsigned long long)blockIdx.x * (blockDim.x / LANES) + slot;
     unsigned long long size = 1;
     for (int axis = 0; axis < w_ndim; ++axis) size *= w_shape[axis];
     const unsigned long long groups = size / GROUP;
