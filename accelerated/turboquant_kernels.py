@@ -9,8 +9,9 @@ stay rotated, the block unrotates them: butterflies at strides 1, 2, ..., D/2 (w
 warp by shuffles, across warps through shared memory), one multiply by f32(1/sqrt(D)),
 then the signs. Encode: one thread per coordinate; a decode step's vectors (up to 1024
 threads' worth) take one block, more take blocks of 256 threads or one vector (whose
-barriers then wait on 8 warps, not 32); each runs TQ-4's key groups, TQ-6's rotation, TQ-7's rms and boundary search
-and TQ-9's packing, with DEFER-1's stored failures and DEFER-2's rank. Every float step is
+barriers then wait on 8 warps, not 32); each runs TQ-4's key groups, TQ-6's rotation,
+TQ-7's rms and boundary search and TQ-9's packing, with DEFER-1's stored failures and
+DEFER-2's rank. Every float step is
 an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`, `__fmul_rn`, `__fdiv_rn`),
 so neither compiler flags nor FMA contraction can change a bit: the result equals the
 plain MLX path (and the reference) bit for bit.
