@@ -120,6 +120,37 @@ def eval_rows(calls: int) -> list[tuple[str, float]]:
                     / 128,
                 )
             )
+        # Many arrays in one op: what one launch writing five fields costs against five
+        # slice writes (docs/performance.md, "A tail of decode rows").
+        wide = mx.fast.cuda_kernel(
+            name="op_costs_wide",
+            input_names=[f"a{i}" for i in range(10)],
+            output_names=[f"out{i}" for i in range(5)],
+            source="".join(f"out{i}[threadIdx.x] = a{i}[threadIdx.x];" for i in range(5)),
+        )
+        inputs = [x + i for i in range(10)]
+        mx.eval(inputs)
+
+        def wide_kernels() -> None:
+            mx.eval(
+                [
+                    wide(
+                        inputs=inputs,
+                        grid=(32, 1, 1),
+                        threadgroup=(32, 1, 1),
+                        output_shapes=[(32,)] * 5,
+                        output_dtypes=[mx.float32] * 5,
+                    )
+                    for _ in range(32)
+                ]
+            )
+
+        rows.append(
+            (
+                "eval 32 custom kernels of 10 inputs and 5 outputs, per kernel",
+                per_call(wide_kernels, rounds) / 32,
+            )
+        )
     buffers = [mx.zeros((1, 8, 4096, 128), mx.bfloat16) for _ in range(32)]
     row = mx.zeros((1, 8, 1, 128), mx.bfloat16)
     mx.eval(buffers, row)
