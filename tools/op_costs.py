@@ -13,6 +13,7 @@ call costs with a longer source, more inputs or more template arguments.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -196,6 +197,91 @@ def eval_rows(calls: int) -> list[tuple[str, float]]:
     return rows
 
 
+def stand_in(name: str, inputs: int, outputs: int) -> object:
+    """A custom kernel of `inputs` inputs and `outputs` outputs that writes one element of
+    each output: its host cost is a real kernel's of as many arrays, its GPU time none."""
+    return mx.fast.cuda_kernel(
+        name=f"op_costs_stand_in_{name}",
+        input_names=[f"a{i}" for i in range(inputs)],
+        output_names=[f"out{i}" for i in range(outputs)],
+        source="".join(f"out{i}[0] = 0;" for i in range(outputs)),
+        ensure_row_contiguous=False,
+    )
+
+
+def launch(kernel: object, inputs: list[mx.array], outputs: list[tuple]) -> list[mx.array]:
+    return kernel(
+        inputs=inputs,
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[shape for shape, _ in outputs],
+        output_dtypes=[dtype for _, dtype in outputs],
+    )
+
+
+def step_rows(calls: int) -> list[tuple[str, float]]:
+    """Host µs per layer of a TurboQuant k8v4 decode step's ops over 32 layers (4k rows),
+    its kernels stood in by kernels of as many arrays that do no work: the fields stored
+    apart as today (encode of 5 inputs and 6 outputs, 5 slice writes, the key codes cut,
+    attention of 8 inputs and 2 outputs, merge of 3 and 1), and one record per row (encode
+    of 5 inputs and 2 outputs, 1 write, the record cut, attention of 3 inputs and 2
+    outputs, the same merge). What packing a row's fields into one buffer would save the
+    host, before it is built."""
+    rounds = max(2, calls // 100)
+    widths = [(128, mx.int8), (4, mx.float16), (4, mx.float16), (64, mx.uint8), (4, mx.float16)]
+    record = (216, mx.uint8)  # the same bytes in one row
+    encode_apart, encode_packed = stand_in("enc6", 5, 6), stand_in("enc2", 5, 2)
+    attend_apart, attend_packed = stand_in("att8", 8, 2), stand_in("att3", 3, 2)
+    merge = stand_in("merge", 3, 1)
+    k = mx.zeros((1, 8, 1, 128), mx.bfloat16)
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    small = mx.zeros((16,), mx.float32)
+    prior = mx.zeros((1,), mx.uint32)
+    mx.eval(k, q, small, prior)
+    stats = [((32, 64, 128), mx.float32), ((32, 64, 2), mx.float32)]
+
+    def step_of(packed: bool) -> Callable[[], None]:
+        layers = [
+            [mx.zeros((1, 8, 4096, w), d) for w, d in ([record] if packed else widths)]
+            for _ in range(32)
+        ]
+        mx.eval(layers)
+        position = [100]
+
+        def step() -> None:
+            outs = []
+            start = position[0]
+            position[0] += 1
+            for i, fields in enumerate(layers):
+                rows = [((1, 8, 1, w), d) for w, d in ([record] if packed else widths)]
+                encode = encode_packed if packed else encode_apart
+                *new, _ = launch(encode, [k, k, small, small, prior], [*rows, ((1,), mx.uint32)])
+                written = []
+                for field, part in zip(fields, new, strict=True):
+                    field = copy.copy(field)
+                    field[:, :, start : start + 1] = part
+                    written.append(field)
+                layers[i] = written
+                cut = written[0][:, :, : start + 1]
+                if packed:
+                    partial, sums = launch(attend_packed, [q, cut, small], stats)
+                else:
+                    apart = [q, cut, *written[1:], small, small]
+                    partial, sums = launch(attend_apart, apart, stats)
+                outs += launch(merge, [partial, sums, small], [((1, 32, 1, 128), mx.bfloat16)])
+            mx.eval(outs)
+
+        return step
+
+    return [
+        (
+            f"stand-in TurboQuant step, fields {'in one record' if packed else 'apart'}, per layer",
+            per_call(step_of(packed), rounds) / 32,
+        )
+        for packed in (False, True)
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per timed round")
@@ -204,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     calls = 20 if args.quick else args.calls
     print(f"device: {mx.default_device()}  mlx {mx.__version__}")
     rows = build_rows(calls) + eval_rows(calls)
+    if mx.cuda.is_available():
+        rows += step_rows(calls)
     width = max(len(name) for name, _ in rows)
     print(f"{'op':{width}}  host us")
     for name, us in rows:
