@@ -285,8 +285,8 @@ CATALOGUE = (
     Mutant(
         "mlx-write-rows-one-late",
         "accelerated/caches/reads.py",
-        "            field[:, :, start : start + part.shape[2]] = part\n",
-        "            field[:, :, start + 1 : start + 1 + part.shape[2]] = part\n",
+        "        field[:, :, start : start + part.shape[2]] = part\n",
+        "        field[:, :, start + 1 : start + 1 + part.shape[2]] = part\n",
         "the MLX storages write new positions one row past where they belong (CACHE-3)",
         (f"{KV}::test_kv_cache_machine", f"{RING}::test_rotating_kv_cache_machine"),
     ),
@@ -319,8 +319,8 @@ CATALOGUE = (
     Mutant(
         "mlx-write-rows-array-start",
         "accelerated/caches/reads.py",
-        "            field[:, :, start : start + part.shape[2]] = part\n",
-        "            field = mx.slice_update(field, part, mx.array([start]), (2,))\n",
+        "        field[:, :, start : start + part.shape[2]] = part\n",
+        "        field = mx.slice_update(field, part, mx.array([start]), (2,))\n",
         "the MLX storages write the right bits through slice updates whose start is an array, "
         "0.5 ms per layer on CUDA (CACHE-3)",
         (f"{DECODE}::test_a_decode_append_writes_its_rows_at_a_static_start",),

@@ -13,12 +13,14 @@ call costs with a longer source, more inputs or more template arguments.
 from __future__ import annotations
 
 import argparse
-import copy
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+
+from kvspec.accelerated.caches.reads import written_rows
 
 #: A copy kernel's body, and the same body with 12 kB of comment lines after it: MLX
 #: hashes the whole source at every evaluation.
@@ -123,28 +125,12 @@ def eval_rows(calls: int) -> list[tuple[str, float]]:
             )
         # Many arrays in one op: what one launch writing five fields costs against five
         # slice writes (docs/performance.md, "A tail of decode rows").
-        wide = mx.fast.cuda_kernel(
-            name="op_costs_wide",
-            input_names=[f"a{i}" for i in range(10)],
-            output_names=[f"out{i}" for i in range(5)],
-            source="".join(f"out{i}[threadIdx.x] = a{i}[threadIdx.x];" for i in range(5)),
-        )
+        wide = stand_in("wide", 10, 5)
         inputs = [x + i for i in range(10)]
         mx.eval(inputs)
 
         def wide_kernels() -> None:
-            mx.eval(
-                [
-                    wide(
-                        inputs=inputs,
-                        grid=(32, 1, 1),
-                        threadgroup=(32, 1, 1),
-                        output_shapes=[(32,)] * 5,
-                        output_dtypes=[mx.float32] * 5,
-                    )
-                    for _ in range(32)
-                ]
-            )
+            mx.eval([launch(wide, inputs, [((32,), mx.float32)] * 5) for _ in range(32)])
 
         rows.append(
             (
@@ -210,6 +196,7 @@ def stand_in(name: str, inputs: int, outputs: int) -> object:
 
 
 def launch(kernel: object, inputs: list[mx.array], outputs: list[tuple]) -> list[mx.array]:
+    """One launch of a stand-in over `inputs`, making `outputs` ((shape, dtype) each)."""
     return kernel(
         inputs=inputs,
         grid=(32, 1, 1),
@@ -246,21 +233,16 @@ def step_rows(calls: int) -> list[tuple[str, float]]:
             for _ in range(32)
         ]
         mx.eval(layers)
-        position = [100]
+        positions = itertools.count(100)
 
         def step() -> None:
             outs = []
-            start = position[0]
-            position[0] += 1
+            start = next(positions)
             for i, fields in enumerate(layers):
                 rows = [((1, 8, 1, w), d) for w, d in ([record] if packed else widths)]
                 encode = encode_packed if packed else encode_apart
                 *new, _ = launch(encode, [k, k, small, small, prior], [*rows, ((1,), mx.uint32)])
-                written = []
-                for field, part in zip(fields, new, strict=True):
-                    field = copy.copy(field)
-                    field[:, :, start : start + 1] = part
-                    written.append(field)
+                written = written_rows(fields, start, new)  # as the MLX storages write
                 layers[i] = written
                 cut = written[0][:, :, : start + 1]
                 if packed:

@@ -156,18 +156,8 @@ class ReadMethods(reads.ReadMethods):
         return rows
 
     def _write_rows(self, start: int, parts: Fields) -> None:
-        # New array objects, the fields rebound to them: no stored array object is changed,
-        # so a read, fetch or state holding the old ones needs no copy. (Evaluated, an
-        # update still writes its buffer in place when nothing else holds it.) The start is
-        # a Python int, a static slice write: mx.slice_update with an array start costs
-        # about 0.5 ms per layer on MLX's CUDA backend (0.32.4, docs/performance.md).
         assert self._fields is not None
-        written = []
-        for field, part in zip(self._fields, parts, strict=True):
-            field = copy.copy(field)
-            field[:, :, start : start + part.shape[2]] = part
-            written.append(field)
-        self._fields = tuple(written)
+        self._fields = written_rows(self._fields, start, parts)
 
     def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
         """A read without a mask is a decode read (READ-2): append, then READ-7's read of
@@ -266,6 +256,21 @@ class ReadMethods(reads.ReadMethods):
         a decode loop runs, and no step reads it on the host."""
         self._failure = failure
         return fields
+
+
+def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:
+    """`fields` with `parts` [B, H, L, *] over rows start .. start + L - 1 (CACHE-3 step 2,
+    RING-2 step 4), as new array objects: no stored array object is changed, so a read,
+    fetch or state holding the old ones needs no copy. (Evaluated, an update still writes
+    its buffer in place when nothing else holds it.) The start is a Python int, a static
+    slice write: mx.slice_update with an array start costs about 0.5 ms per layer on MLX's
+    CUDA backend (0.32.4, docs/performance.md)."""
+    written = []
+    for field, part in zip(fields, parts, strict=True):
+        field = copy.copy(field)
+        field[:, :, start : start + part.shape[2]] = part
+        written.append(field)
+    return tuple(written)
 
 
 def running(storage: ReadMethods) -> mx.array | None:
