@@ -67,16 +67,19 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256, 512)
 #: hashes at every call is then the call alone (cuda_source.included).
 _INCLUDE = included("decode_attention.cuh")
 
-_KEY_INPUTS = ["queries", "k_codes", "k_scales", "k_biases"]
-_VALUE_INPUTS = ["v_codes", "v_scales", "v_biases", "table"]
-_SLOT_INPUTS = [
-    "slot_row",
-    *(f"new_{side}_{field}" for side in "kv" for field in ("codes", "scales", "biases")),
-]
-_MERGE_CALL = (
-    "kvspec_attn::merge_pass<DV, ROTATED, OT, INV_SQRT_BITS>(partial, stats, stats_shape, "
-    "signs, out);"
-)
+#: The group fields a side's format stores: (scales, biases).
+_GROUP_FIELDS = {PLAIN: (False, False), AFFINE: (True, True), TURBO_KEY: (True, True)}
+_GROUP_FIELDS[TURBO_VALUE] = (True, False)
+
+
+def _merge_call(rotated: bool) -> str:
+    """The body of a merge kernel; without rotation it takes no signs (a null pointer)."""
+    return (
+        "kvspec_attn::merge_pass<DV, ROTATED, OT, INV_SQRT_BITS>(partial, stats, stats_shape, "
+        f"{'signs' if rotated else 'nullptr'}, out);"
+    )
+
+
 # The template constants of pass 1 (_plan) in the order partial_pass takes them.
 _PARTIAL_CONSTANTS = (
     "QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS, KGROUP, VFMT, VBITS, VGROUP, "
@@ -84,48 +87,84 @@ _PARTIAL_CONSTANTS = (
 )
 
 
-def _partial_call(mma: bool, counted: bool, slot: bool) -> str:
-    """The body of a pass-1 kernel: one call of partial_pass with the kernel's arguments.
-    A variant without an input passes a null pointer and some strides in its place (never
-    read: COUNTED and SLOT are false there)."""
+def _pass_inputs(key_fmt: int, value_fmt: int, counted: bool, slot: bool) -> list[str]:
+    """The inputs of a pass-1 kernel: the fields the two formats store (none stands in for
+    a field a format does not have), the codebook for TurboQuant values, the compiled
+    step's row count and write slot where the variant takes them."""
+    key_scales, key_biases = _GROUP_FIELDS[key_fmt]
+    value_scales, value_biases = _GROUP_FIELDS[value_fmt]
+    present = {
+        "scales": {"k": key_scales, "v": value_scales},
+        "biases": {"k": key_biases, "v": value_biases},
+    }
+
+    def side(prefix: str, name: str) -> list[str]:
+        fields = ["codes", *(f for f in ("scales", "biases") if present[f][name])]
+        return [f"{prefix}{name}_{field}" for field in fields]
+
+    return [
+        "queries",
+        *side("", "k"),
+        *side("", "v"),
+        *(["table"] if value_fmt == TURBO_VALUE else []),
+        *(["rows"] if counted else []),
+        *(["slot_row", *side("new_", "k"), *side("new_", "v")] if slot else []),
+    ]
+
+
+def _partial_call(mma: bool, counted: bool, slot: bool, inputs: list[str]) -> str:
+    """The body of a pass-1 kernel: one call of partial_pass with the kernel's `inputs`
+    (_pass_inputs). An argument without its input is a null pointer, and the key codes'
+    strides stand in for its strides (never read: the format has no such field, or
+    COUNTED and SLOT are false)."""
     flags = ", ".join("true" if on else "false" for on in (mma, counted, slot))
-    if slot:
-        new_fields = (
-            "new_k_codes, new_k_codes_strides, new_k_scales, new_k_scales_strides, "
-            "new_k_biases, new_v_codes, new_v_codes_strides, new_v_scales, "
-            "new_v_scales_strides, new_v_biases"
+
+    def pointer(name: str) -> str:
+        return name if name in inputs else "nullptr"
+
+    def strides(name: str) -> str:
+        return f"{name}_strides" if name in inputs else "k_codes_strides"
+
+    def side(name: str, shape: bool = False) -> str:
+        # Codes (the key codes with their shape), their strides, scales and their strides,
+        # biases (which share the scales' strides).
+        codes = f"{name}_codes"
+        return ", ".join(
+            [
+                pointer(codes),
+                *([f"{codes}_shape"] if shape else []),
+                strides(codes),
+                pointer(f"{name}_scales"),
+                strides(f"{name}_scales"),
+                pointer(f"{name}_biases"),
+            ]
         )
-    else:
-        unused = "nullptr, k_codes_strides"
-        new_fields = f"{unused}, {unused}, nullptr, {unused}, {unused}, nullptr"
+
     return (
         f"kvspec_attn::partial_pass<{flags}, {_PARTIAL_CONSTANTS}>("
-        "queries, queries_shape, queries_strides, k_codes, k_codes_shape, k_codes_strides, "
-        "k_scales, k_scales_strides, k_biases, v_codes, v_codes_strides, v_scales, "
-        f"v_scales_strides, v_biases, table, {'rows' if counted else 'nullptr'}, "
-        f"{'slot_row' if slot else 'nullptr'}, {new_fields}, partial, stats);"
+        f"queries, queries_shape, queries_strides, {side('k', shape=True)}, {side('v')}, "
+        f"{pointer('table')}, {pointer('rows')}, {pointer('slot_row')}, {side('new_k')}, "
+        f"{side('new_v')}, partial, stats);"
     )
 
 
 @cache
-def _partial_kernel(shared_bytes: int, counted: bool, mma: bool, slot: bool) -> object:
+def _partial_kernel(
+    shared_bytes: int, counted: bool, mma: bool, slot: bool, key_fmt: int, value_fmt: int
+) -> object:
     # The dynamic shared memory is fixed per kernel object: one per (G, DV, DK, body). The
     # counted variant takes one more input, `rows` (int32 [1]): the compiled step's live
     # row count (COMPILE-4); the slot variant the write slot's row (int32 [1]) and the new
-    # position's fields; the plain one neither.
+    # position's fields; the plain one neither. Each takes only the fields its formats store.
     name = "kvspec_decode_attention" + "".join(
         suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
     )
+    inputs = _pass_inputs(key_fmt, value_fmt, counted, slot)
     return mx.fast.cuda_kernel(
-        name=name,
-        input_names=[
-            *_KEY_INPUTS,
-            *_VALUE_INPUTS,
-            *(["rows"] if counted else []),
-            *(_SLOT_INPUTS if slot else []),
-        ],
+        name=f"{name}_{key_fmt}{value_fmt}",
+        input_names=inputs,
         output_names=["partial", "stats"],
-        source=_partial_call(mma, counted, slot),
+        source=_partial_call(mma, counted, slot, inputs),
         header=_INCLUDE,
         ensure_row_contiguous=False,
         shared_memory=shared_bytes,
@@ -133,12 +172,12 @@ def _partial_kernel(shared_bytes: int, counted: bool, mma: bool, slot: bool) -> 
 
 
 @cache
-def _merge_kernel() -> object:
+def _merge_kernel(rotated: bool) -> object:
     return mx.fast.cuda_kernel(
-        name="kvspec_decode_merge",
-        input_names=["partial", "stats", "signs"],
+        name="kvspec_decode_merge" + ("_rotated" if rotated else ""),
+        input_names=["partial", "stats", *(["signs"] if rotated else [])],
         output_names=["out"],
-        source=_MERGE_CALL,
+        source=_merge_call(rotated),
         header=_INCLUDE,
     )
 
@@ -205,12 +244,6 @@ def _float_bits(x: float) -> int:
     return int(np.array(x, np.float32).view(np.int32))
 
 
-@cache
-def _placeholder(dtype: mx.Dtype) -> mx.array:
-    """A one-element stand-in for a field a format does not have (never read)."""
-    return mx.zeros((1, 1, 1, 1), dtype)
-
-
 @dataclass(frozen=True)
 class _Plan:
     """What one read configuration launches with; built once per configuration, so a decode
@@ -272,10 +305,15 @@ def _side_key(side: StoredSide) -> tuple:
 
 
 def _fields(side: StoredSide) -> list[mx.array]:
-    # Placeholders where a format has no such field (the kernel never reads them).
-    scales = side.scales if side.scales is not None else _placeholder(side.codes.dtype)
-    biases = side.biases if side.biases is not None else _placeholder(scales.dtype)
-    return [side.codes, scales, biases]
+    """The side's fields as a kernel takes them: its codes, then the group fields its format
+    stores (_GROUP_FIELDS); nothing stands in for a field the format does not have, since
+    every array a kernel takes costs the host time at every step."""
+    has_scales, has_biases = _GROUP_FIELDS[side.fmt]
+    return [
+        side.codes,
+        *([side.scales] if has_scales else []),
+        *([side.biases] if has_biases else []),
+    ]
 
 
 def decode_attention(
@@ -301,14 +339,16 @@ def decode_attention(
     `supported`."""
     B, Hq, N, _ = queries.shape
     _, Hk, T, _ = keys.codes.shape
-    codebook = table if table is not None else _placeholder(mx.float32)
+    rotated = values.fmt == TURBO_VALUE
+    if rotated and (table is None or signs is None):
+        raise ValueError("TurboQuant values are read with their codebook and signs")
     plan = _plan(
         queries.dtype,
         _side_key(keys),
         _side_key(values),
         Hq // Hk,
         _float_bits(scale),
-        codebook.size,
+        table.size if rotated else 0,
         out_dtype,
     )
     splits = _splits(T, B * Hk)
@@ -323,14 +363,19 @@ def decode_attention(
         )
     slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1]), *_fields(slot[2])]
     kernel = _partial_kernel(
-        plan.shared_bytes[tensor_cores], rows is not None, tensor_cores, slot is not None
+        plan.shared_bytes[tensor_cores],
+        rows is not None,
+        tensor_cores,
+        slot is not None,
+        keys.fmt,
+        values.fmt,
     )
     partial, stats = kernel(
         inputs=[
             queries,
             *_fields(keys),
             *_fields(values),
-            codebook,
+            *([table] if rotated else []),
             *([] if rows is None else [rows]),
             *slot_inputs,
         ],
@@ -340,8 +385,8 @@ def decode_attention(
         output_shapes=[(B * Hq, splits, DV), (B * Hq, splits, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    (out,) = _merge_kernel()(
-        inputs=[partial, stats, signs if signs is not None else _placeholder(mx.float32)],
+    (out,) = _merge_kernel(rotated)(
+        inputs=[partial, stats, *([signs] if rotated else [])],
         template=plan.merge_template,
         grid=(B * Hq * DV, 1, 1),
         threadgroup=(DV, 1, 1),

@@ -16,19 +16,25 @@ def _calls() -> dict[str, tuple[str, str]]:
     from kvspec.accelerated import affine_kernels, attention_kernels, turboquant_kernels
 
     calls = {
-        "attention merge": (attention_kernels._MERGE_CALL, "decode_attention.cuh"),
+        "attention merge": (attention_kernels._merge_call(False), "decode_attention.cuh"),
+        "attention merge, rotated": (attention_kernels._merge_call(True), "decode_attention.cuh"),
         "turboquant decode": (turboquant_kernels._DECODE_CALL, "turboquant.cuh"),
         "turboquant encode": (turboquant_kernels._ENCODE_CALL, "turboquant.cuh"),
         "affine encode": (affine_kernels._ONE_TENSOR_CALL, "affine.cuh"),
         "affine encode, keys and values": (affine_kernels._PAIR_CALL, "affine.cuh"),
     }
+    formats = {
+        "plain": (attention_kernels.PLAIN, attention_kernels.PLAIN),
+        "affine": (attention_kernels.AFFINE, attention_kernels.AFFINE),
+        "turboquant": (attention_kernels.TURBO_KEY, attention_kernels.TURBO_VALUE),
+    }
     for mma in (False, True):
         for counted, slot in ((False, False), (True, False), (True, True)):
-            call = attention_kernels._partial_call(mma, counted, slot)
-            calls[f"attention pass 1 mma={mma} counted={counted} slot={slot}"] = (
-                call,
-                "decode_attention.cuh",
-            )
+            for kind, (key_fmt, value_fmt) in formats.items():
+                inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot)
+                call = attention_kernels._partial_call(mma, counted, slot, inputs)
+                name = f"attention pass 1 {kind} mma={mma} counted={counted} slot={slot}"
+                calls[name] = (call, "decode_attention.cuh")
     return calls
 
 
@@ -56,10 +62,17 @@ def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) ->
         assert len(arguments) == len(parameters), name
         for parameter, argument in zip(parameters, arguments, strict=True):
             assert argument in (parameter, "nullptr", "k_codes_strides"), (name, parameter)
-    pass1 = _calls()["attention pass 1 mma=True counted=False slot=False"][0]
+    calls = _calls()
+    pass1 = calls["attention pass 1 turboquant mma=True counted=False slot=False"][0]
     assert "rows" not in pass1 and "slot_row" not in pass1
-    counted_slot = _calls()["attention pass 1 mma=True counted=True slot=True"][0]
+    counted_slot = calls["attention pass 1 turboquant mma=True counted=True slot=True"][0]
     assert "rows," in counted_slot and "slot_row," in counted_slot
+    # A format's absent fields are null pointers, not inputs (each costs the host time).
+    plain = calls["attention pass 1 plain mma=True counted=True slot=True"][0]
+    assert "k_scales" not in plain and "table" not in plain and "new_v_biases" not in plain
+    turbo = calls["attention pass 1 turboquant mma=True counted=True slot=True"][0]
+    assert "table," in turbo and "new_k_biases," in turbo and "v_biases" not in turbo
+    assert "signs" not in calls["attention merge"][0]
 
 
 def test_an_included_file_is_named_by_its_path_and_its_contents(

@@ -329,9 +329,10 @@ __device__ __forceinline__ void mma_tf32(
 }
 
 // Pass 1 (READ-7) of one block: split blockIdx.x of KV head blockIdx.y. Inputs: q
-// [B, Hq, 1, DK]; per side codes, scales, biases (a one-element placeholder where a format
-// has none); the value codebook; COUNTED: the live row count rows[0]; SLOT: the write
-// slot's row slot_row[0] and the new position's fields. Outputs: partial sums
+// [B, Hq, 1, DK]; per side codes, scales, biases (a null pointer where a format has none:
+// never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
+// row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields.
+// Outputs: partial sums
 // [B * Hq, SPLITS, DV] and (max, sum) [B * Hq, SPLITS, 2]. The softmax scale is a template
 // constant (its float32 bits): one compile per model, no per-step upload. Two bodies share
 // the block's setup and its final merge of the warps: on tensor cores (MMA: MMA over 8
@@ -358,7 +359,7 @@ __device__ __forceinline__ void partial_pass(
     constexpr float LOG2E = 1.4426950408889634f;
     const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ __align__(16) float shared[];
-    __shared__ float codebook[TABLE];
+    __shared__ float codebook[TABLE > 0 ? TABLE : 1];  // TABLE 0: no codebook given
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -380,7 +381,7 @@ __device__ __forceinline__ void partial_pass(
     const int start = split * per_split;
     const int end = min(T, start + per_split);
 
-    // Rows of head (b, h); a placeholder's strides are never used (format PLAIN).
+    // Rows of head (b, h); the scales strides of format PLAIN (which has none) are not read.
     const long long k_base = b * k_codes_strides[0] + h * k_codes_strides[1];
     const long long ks_base = KFMT == 0 ? 0 : b * k_scales_strides[0] + h * k_scales_strides[1];
     const long long v_base = b * v_codes_strides[0] + h * v_codes_strides[1];
