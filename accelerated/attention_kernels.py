@@ -87,10 +87,21 @@ _PARTIAL_CONSTANTS = (
 )
 
 
-def _pass_inputs(key_fmt: int, value_fmt: int, counted: bool, slot: bool) -> list[str]:
+def _pass_inputs(
+    key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool
+) -> list[str]:
     """The inputs of a pass-1 kernel: the fields the two formats store (none stands in for
-    a field a format does not have), the codebook for TurboQuant values, the compiled
-    step's row count and write slot where the variant takes them."""
+    a field a format does not have) or the record that holds them all, the codebook for
+    TurboQuant values, the compiled step's row count and write slot where the variant takes
+    them."""
+    if record:
+        return [
+            "queries",
+            "record",
+            *(["table"] if value_fmt == TURBO_VALUE else []),
+            *(["rows"] if counted else []),
+            *(["slot_row", "new_record"] if slot else []),
+        ]
     key_scales, key_biases = _GROUP_FIELDS[key_fmt]
     value_scales, value_biases = _GROUP_FIELDS[value_fmt]
     present = {
@@ -112,15 +123,47 @@ def _pass_inputs(key_fmt: int, value_fmt: int, counted: bool, slot: bool) -> lis
     ]
 
 
-def _partial_call(mma: bool, counted: bool, slot: bool, inputs: list[str]) -> str:
+def _record_field_names(key_fmt: int, value_fmt: int) -> list[str]:
+    """The fields the two formats store, as a record's offsets are given (RecordFormat)."""
+    inputs = _pass_inputs(key_fmt, value_fmt, False, False, False)
+    return [name for name in inputs if name.startswith(("k_", "v_"))]
+
+
+def _record_offsets(
+    key_fmt: int, value_fmt: int, offsets: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """RecordFormat's offsets as record_pass takes them: one for each of the six fields of
+    two sides (codes, scales, biases; keys, then values), -1 for a field not stored."""
+    if offsets is None:
+        return None
+    stored = dict(zip(_record_field_names(key_fmt, value_fmt), offsets, strict=True))
+    names = [f"{side}_{field}" for side in "kv" for field in ("codes", "scales", "biases")]
+    return tuple(stored.get(name, -1) for name in names)
+
+
+def _partial_call(
+    mma: bool, counted: bool, slot: bool, inputs: list[str], offsets: tuple[int, ...] | None
+) -> str:
     """The body of a pass-1 kernel: one call of partial_pass with the kernel's `inputs`
     (_pass_inputs). An argument without its input is a null pointer, and the key codes'
     strides stand in for its strides (never read: the format has no such field, or
-    COUNTED and SLOT are false)."""
+    COUNTED and SLOT are false). With `offsets` (_record_offsets) a call of record_pass,
+    which reads the fields of `record` at those byte offsets."""
     flags = ", ".join("true" if on else "false" for on in (mma, counted, slot))
 
     def pointer(name: str) -> str:
         return name if name in inputs else "nullptr"
+
+    if offsets is not None:
+        return (
+            f"kvspec_attn::record_pass<{flags}, {_PARTIAL_CONSTANTS}, "
+            f"{', '.join(str(offset) for offset in offsets)}>("
+            "queries, queries_shape, queries_strides, record, record_shape, record_strides, "
+            f"{pointer('table')}, {pointer('rows')}, {pointer('slot_row')}, "
+            f"{pointer('new_record')}, "
+            f"{'new_record_strides' if 'new_record' in inputs else 'record_strides'}, "
+            "partial, stats);"
+        )
 
     def strides(name: str) -> str:
         return f"{name}_strides" if name in inputs else "k_codes_strides"
@@ -150,21 +193,34 @@ def _partial_call(mma: bool, counted: bool, slot: bool, inputs: list[str]) -> st
 
 @cache
 def _partial_kernel(
-    shared_bytes: int, counted: bool, mma: bool, slot: bool, key_fmt: int, value_fmt: int
+    shared_bytes: int,
+    counted: bool,
+    mma: bool,
+    slot: bool,
+    key_fmt: int,
+    value_fmt: int,
+    offsets: tuple[int, ...] | None,
 ) -> object:
     # The dynamic shared memory is fixed per kernel object: one per (G, DV, DK, body). The
     # counted variant takes one more input, `rows` (int32 [1]): the compiled step's live
     # row count (COMPILE-4); the slot variant the write slot's row (int32 [1]) and the new
-    # position's fields; the plain one neither. Each takes only the fields its formats store.
+    # position's fields; the plain one neither. Each takes only the fields its formats
+    # store, or with `offsets` (RecordFormat) the record that holds them, whose offsets
+    # are in the source and so in the kernel's name (MLX keeps one build per name).
     name = "kvspec_decode_attention" + "".join(
         suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
     )
-    inputs = _pass_inputs(key_fmt, value_fmt, counted, slot)
+    name = f"{name}_{key_fmt}{value_fmt}"
+    inputs = _pass_inputs(key_fmt, value_fmt, counted, slot, offsets is not None)
+    if offsets is not None:
+        name += "_record_" + "_".join(str(offset) for offset in offsets)
     return mx.fast.cuda_kernel(
-        name=f"{name}_{key_fmt}{value_fmt}",
+        name=name,
         input_names=inputs,
         output_names=["partial", "stats"],
-        source=_partial_call(mma, counted, slot, inputs),
+        source=_partial_call(
+            mma, counted, slot, inputs, _record_offsets(key_fmt, value_fmt, offsets)
+        ),
         header=_INCLUDE,
         ensure_row_contiguous=False,
         shared_memory=shared_bytes,
@@ -202,13 +258,45 @@ class StoredSide(NamedTuple):
     dim: int
 
 
-def supported(keys: StoredSide, values: StoredSide, query_heads: int) -> bool:
+class SideFormat(NamedTuple):
+    """What the kernels are built for of one side: its format, the dtypes of its codes and
+    of its group fields (the codes' for PLAIN), bits, group size (32 for PLAIN) and dim."""
+
+    fmt: int
+    codes: mx.Dtype
+    scales: mx.Dtype
+    bits: int
+    group_size: int
+    dim: int
+
+
+def side_format(side: StoredSide) -> SideFormat:
+    """The format of a stored side."""
+    scales = side.scales if side.scales is not None else side.codes
+    return SideFormat(
+        side.fmt, side.codes.dtype, scales.dtype, side.bits, side.group_size or 32, side.dim
+    )
+
+
+class RecordFormat(NamedTuple):
+    """Keys and values stored side by side in one record per row (accelerated/records.py):
+    the two sides' formats and the byte offsets in a row of the fields they store, as
+    StoredSide orders them (codes, scales, biases; keys, then values; a field the format
+    does not store has none)."""
+
+    keys: SideFormat
+    values: SideFormat
+    offsets: tuple[int, ...]
+
+
+def supported(
+    keys: SideFormat | StoredSide, values: SideFormat | StoredSide, kv_heads: int, query_heads: int
+) -> bool:
     """Whether the kernels take this read: a CUDA device, head dims they are built for, at
     most MAX_GROUP query heads per KV head. (Stored fields are contiguous in their last
     axis: caches slice them along positions only.)"""
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         return False
-    kv_heads = keys.codes.shape[1]
     if query_heads % kv_heads != 0 or query_heads // kv_heads > MAX_GROUP:
         return False
     return keys.dim in HEAD_DIMS and values.dim in HEAD_DIMS
@@ -219,12 +307,12 @@ def supported(keys: StoredSide, values: StoredSide, query_heads: int) -> bool:
 TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 
 
-def tensor_core_fit(keys: StoredSide, values: StoredSide) -> bool:
+def tensor_core_fit(keys: SideFormat | StoredSide, values: SideFormat | StoredSide) -> bool:
     """Whether the tensor-core body takes a read: head dims of TENSOR_CORE_HEAD_DIMS, and
     each lane's share of a row (D / 4 key elements, D / 8 value elements) inside one group
     of a coded format. Other reads run on CUDA cores."""
 
-    def fits(side: StoredSide, share: int) -> bool:
+    def fits(side: SideFormat | StoredSide, share: int) -> bool:
         if side.dim not in TENSOR_CORE_HEAD_DIMS:
             return False
         return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0
@@ -259,8 +347,8 @@ class _Plan:
 @cache
 def _plan(
     query_dtype: mx.Dtype,
-    keys: tuple,
-    values: tuple,
+    keys: SideFormat,
+    values: SideFormat,
     group: int,
     scale_bits: int,
     table_size: int,
@@ -299,11 +387,6 @@ def _plan(
     return _Plan(partial, merge, {False: merged, True: merged + DK // 8 * 32 * 16})
 
 
-def _side_key(side: StoredSide) -> tuple:
-    scales = side.scales if side.scales is not None else side.codes
-    return (side.fmt, side.codes.dtype, scales.dtype, side.bits, side.group_size or 32, side.dim)
-
-
 def _fields(side: StoredSide) -> list[mx.array]:
     """The side's fields as a kernel takes them: its codes, then the group fields its format
     stores (_GROUP_FIELDS); nothing stands in for a field the format does not have, since
@@ -337,15 +420,82 @@ def decode_attention(
     values), the compiled step's write slot (COMPILE-4): buffer row row[0] (int32 [1]) is
     read from the new position's one-row sides instead of the buffers. Call only when
     `supported`."""
+    slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1]), *_fields(slot[2])]
+    return _attend(
+        queries,
+        side_format(keys),
+        side_format(values),
+        keys.codes.shape[:3],
+        [*_fields(keys), *_fields(values)],
+        slot_inputs,
+        None,
+        scale,
+        table,
+        signs,
+        out_dtype,
+        rows,
+        tensor_cores,
+    )
+
+
+def decode_attention_record(
+    queries: mx.array,
+    record: mx.array,
+    record_format: RecordFormat,
+    scale: float,
+    table: mx.array | None,
+    signs: mx.array | None,
+    out_dtype: mx.Dtype,
+    rows: mx.array | None = None,
+    tensor_cores: bool | None = None,
+    slot: tuple[mx.array, mx.array] | None = None,
+) -> mx.array:
+    """`decode_attention` of keys and values stored in one record per row: `record` uint8
+    [B, H, T, row_bytes], the read covering its T rows, in `record_format`. `slot` = (row,
+    new record [B, H, 1, row_bytes]) as `decode_attention`'s."""
+    return _attend(
+        queries,
+        record_format.keys,
+        record_format.values,
+        record.shape[:3],
+        [record],
+        [] if slot is None else list(slot),
+        record_format.offsets,
+        scale,
+        table,
+        signs,
+        out_dtype,
+        rows,
+        tensor_cores,
+    )
+
+
+def _attend(
+    queries: mx.array,
+    keys: SideFormat,
+    values: SideFormat,
+    stored_shape: tuple[int, ...],
+    stored: list[mx.array],
+    slot: list[mx.array],
+    offsets: tuple[int, ...] | None,
+    scale: float,
+    table: mx.array | None,
+    signs: mx.array | None,
+    out_dtype: mx.Dtype,
+    rows: mx.array | None,
+    tensor_cores: bool | None,
+) -> mx.array:
+    """The two passes over `stored` (the fields of `keys` and `values`, or their record
+    with its `offsets`) of [B, Hk, T] rows, and the write `slot`'s inputs."""
     B, Hq, N, _ = queries.shape
-    _, Hk, T, _ = keys.codes.shape
+    _, Hk, T = stored_shape
     rotated = values.fmt == TURBO_VALUE
     if rotated and (table is None or signs is None):
         raise ValueError("TurboQuant values are read with their codebook and signs")
     plan = _plan(
         queries.dtype,
-        _side_key(keys),
-        _side_key(values),
+        keys,
+        values,
         Hq // Hk,
         _float_bits(scale),
         table.size if rotated else 0,
@@ -361,23 +511,22 @@ def decode_attention(
             "the tensor-core body does not take this read: head dims "
             f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
         )
-    slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1]), *_fields(slot[2])]
     kernel = _partial_kernel(
         plan.shared_bytes[tensor_cores],
         rows is not None,
         tensor_cores,
-        slot is not None,
+        bool(slot),
         keys.fmt,
         values.fmt,
+        offsets,
     )
     partial, stats = kernel(
         inputs=[
             queries,
-            *_fields(keys),
-            *_fields(values),
+            *stored,
             *([table] if rotated else []),
             *([] if rows is None else [rows]),
-            *slot_inputs,
+            *slot,
         ],
         template=plan.partial_template,
         grid=(splits * threads, B * Hk, 1),

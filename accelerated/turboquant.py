@@ -24,6 +24,7 @@ from kvspec.accelerated import bits as bitstream
 from kvspec.accelerated.affine_kernels import no_failure
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.accelerated.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, quiet_nan, widen
+from kvspec.accelerated.records import RecordLayout, record_layout, unpacked
 from kvspec.accelerated.turboquant_kernels import fused_decode, fused_encode
 from kvspec.reference import turboquant as reference
 from kvspec.reference.turboquant import (
@@ -358,12 +359,36 @@ def _check_encode_layout(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> 
     _check_layout(v, "values")
 
 
-def _fused_encode(
+@cache
+def stored_layout(k_bits: int, v_bits: int, head_dim: int) -> RecordLayout:
+    """The record of one position's five stored fields (TQ-10) side by side, in slot order
+    (accelerated/records.py): what the CUDA encoder writes and the MLX cache stores."""
+    groups = head_dim // BLOCK_SIZE
+    return record_layout(
+        [
+            (mx.int8 if k_bits == 8 else mx.uint8, head_dim * k_bits // 8),
+            (mx.float16, groups),
+            (mx.float16, groups),
+            (mx.uint8, head_dim * v_bits // 8),
+            (mx.float16, groups),
+        ]
+    )
+
+
+def encode_record_deferred(
+    k: mx.array, v: mx.array, k_bits: int, v_bits: int, prior: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """`encode_deferred` on CUDA (fused_kernels_enabled, keys and values not empty): the
+    five fields as one record uint8 [B, H, L, row_bytes] of `stored_layout`, and the
+    failure rank, from one launch."""
+    _check_encode_layout(k, v, k_bits, v_bits)
+    return _record_encode(k, v, k_bits, v_bits, prior)
+
+
+def _record_encode(
     k: mx.array, v: mx.array, k_bits: int, v_bits: int, prior: mx.array | None
-) -> tuple[TurboQuantTensor, mx.array]:
-    """The tensor and lazy uint32 [1] failure rank from the fused CUDA kernel (DEFER-1,
-    DEFER-2), folded with `prior`."""
-    *fields, failure = fused_encode(
+) -> tuple[mx.array, mx.array]:
+    return fused_encode(
         k,
         v,
         boundaries(v_bits),
@@ -371,7 +396,17 @@ def _fused_encode(
         no_failure() if prior is None else prior,
         k_bits,
         v_bits,
+        stored_layout(k_bits, v_bits, k.shape[-1]),
     )
+
+
+def _fused_encode(
+    k: mx.array, v: mx.array, k_bits: int, v_bits: int, prior: mx.array | None
+) -> tuple[TurboQuantTensor, mx.array]:
+    """The tensor and lazy uint32 [1] failure rank from the fused CUDA kernel (DEFER-1,
+    DEFER-2), folded with `prior`: the fields are views of the record it writes."""
+    record, failure = _record_encode(k, v, k_bits, v_bits, prior)
+    fields = unpacked(record, stored_layout(k_bits, v_bits, k.shape[-1]))
     return TurboQuantTensor(*fields), failure
 
 

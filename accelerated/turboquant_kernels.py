@@ -11,10 +11,10 @@ then the signs. Encode: one thread per coordinate; a decode step's vectors (up t
 threads' worth) take one block, more take blocks of 256 threads or one vector (whose
 barriers then wait on 8 warps, not 32); each runs TQ-4's key groups, TQ-6's rotation,
 TQ-7's rms and boundary search and TQ-9's packing, with DEFER-1's stored failures and
-DEFER-2's rank. Every float step is
-an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`, `__fmul_rn`, `__fdiv_rn`),
-so neither compiler flags nor FMA contraction can change a bit: the result equals the
-plain MLX path (and the reference) bit for bit.
+DEFER-2's rank, and writes each position's fields as one record (accelerated/records.py).
+Every float step is an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`,
+`__fmul_rn`, `__fdiv_rn`), so neither compiler flags nor FMA contraction can change a
+bit: the result equals the plain MLX path (and the reference) bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from functools import cache
 import mlx.core as mx
 
 from kvspec.accelerated.cuda_source import included
+from kvspec.accelerated.records import RecordLayout
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
@@ -39,8 +40,8 @@ _DECODE_CALL = (
     "v_packed, v_scales, centroids, signs, keys, values);"
 )
 _ENCODE_CALL = (
-    "kvspec_tq::encode_rows<T, D, KBITS, VBITS, INV_SQRT_BITS, CHECKS>(k, k_shape, v, "
-    "boundaries, signs, prior, k_idx, k_scales, k_zeros, v_packed, v_scales, total);"
+    "kvspec_tq::encode_rows<T, KI, D, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, OFF_KI, "
+    "OFF_KS, OFF_KZ, OFF_VP, OFF_VS>(k, k_shape, v, boundaries, signs, prior, record, total);"
 )
 
 
@@ -100,7 +101,7 @@ def _encode_kernel() -> object:
     return mx.fast.cuda_kernel(
         name="kvspec_turboquant_encode",
         input_names=["k", "v", "boundaries", "signs", "prior"],
-        output_names=["k_idx", "k_scales", "k_zeros", "v_packed", "v_scales", "total"],
+        output_names=["record", "total"],
         source=_ENCODE_CALL,
         header=_INCLUDE,
     )
@@ -114,10 +115,12 @@ def fused_encode(
     prior: mx.array,
     k_bits: int,
     v_bits: int,
-) -> tuple[mx.array, ...]:
-    """The five stored fields of k, v [B, H, L, D] (TQ-10), in one launch, and the failure
-    (uint32 [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups
-    that fail are stored as DEFER-1 says. Rows that 1024 threads hold (a decode step's) take
+    layout: RecordLayout,
+) -> tuple[mx.array, mx.array]:
+    """The five stored fields of k, v [B, H, L, D] (TQ-10) as one record uint8 [B, H, L,
+    row_bytes] of `layout` (accelerated/records.py), in one launch, and the failure (uint32
+    [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups that fail
+    are stored as DEFER-1 says. Rows that 1024 threads hold (a decode step's) take
     one block; more take blocks of 256 threads (at least one row), whose ranks are folded by
     one more op. Shapes, dtypes and widths are validated by the caller
     (turboquant.encode)."""
@@ -126,29 +129,25 @@ def fused_encode(
     one_block = rows * D <= _ONE_BLOCK_THREADS
     per_block = rows if one_block else max(1, _BLOCK_THREADS // D)
     blocks = -(-rows // per_block)
-    groups = (B, H, L, D // 32)
-    k_dtype = mx.int8 if k_bits == 8 else mx.uint8
-    *fields, totals = _encode_kernel()(
+    names = ("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS")
+    offsets = dict(zip(names, layout.offsets, strict=True))
+    record, totals = _encode_kernel()(
         inputs=[k, v, boundaries, signs, prior],
         template=[
             ("T", k.dtype),  # names the instance: NVRTC compiles one per input dtype
+            ("KI", mx.int8 if k_bits == 8 else mx.uint8),
             ("D", D),
             ("KBITS", k_bits),
             ("VBITS", v_bits),
             ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
             ("CHECKS", len(DEFERRED_CHECKS)),
+            ("ROW_BYTES", layout.row_bytes),
+            *offsets.items(),
         ],
         grid=(blocks * D, per_block, 1),
         threadgroup=(D, per_block, 1),
-        output_shapes=[
-            (B, H, L, D * k_bits // 8),
-            groups,
-            groups,
-            (B, H, L, D * v_bits // 8),
-            groups,
-            (blocks,),
-        ],
-        output_dtypes=[k_dtype, mx.float16, mx.float16, mx.uint8, mx.float16, mx.uint32],
+        output_shapes=[(B, H, L, layout.row_bytes), (blocks,)],
+        output_dtypes=[mx.uint8, mx.uint32],
     )
     failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
-    return (*fields, failure)
+    return record, failure

@@ -23,19 +23,39 @@ def _calls() -> dict[str, tuple[str, str]]:
         "affine encode": (affine_kernels._ONE_TENSOR_CALL, "affine.cuh"),
         "affine encode, keys and values": (affine_kernels._PAIR_CALL, "affine.cuh"),
     }
-    formats = {
-        "plain": (attention_kernels.PLAIN, attention_kernels.PLAIN),
-        "affine": (attention_kernels.AFFINE, attention_kernels.AFFINE),
-        "turboquant": (attention_kernels.TURBO_KEY, attention_kernels.TURBO_VALUE),
-    }
     for mma in (False, True):
         for counted, slot in ((False, False), (True, False), (True, True)):
-            for kind, (key_fmt, value_fmt) in formats.items():
-                inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot)
-                call = attention_kernels._partial_call(mma, counted, slot, inputs)
+            for kind, (key_fmt, value_fmt) in _formats().items():
+                inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot, False)
+                call = attention_kernels._partial_call(mma, counted, slot, inputs, None)
                 name = f"attention pass 1 {kind} mma={mma} counted={counted} slot={slot}"
                 calls[name] = (call, "decode_attention.cuh")
+                inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot, True)
+                offsets = _record_offsets(key_fmt, value_fmt)
+                call = attention_kernels._partial_call(mma, counted, slot, inputs, offsets)
+                calls[f"{name} record"] = (call, "decode_attention.cuh")
     return calls
+
+
+def _formats() -> dict[str, tuple[int, int]]:
+    """The key and value formats of each kind of read."""
+    from kvspec.accelerated import attention_kernels as kernels
+
+    return {
+        "plain": (kernels.PLAIN, kernels.PLAIN),
+        "affine": (kernels.AFFINE, kernels.AFFINE),
+        "turboquant": (kernels.TURBO_KEY, kernels.TURBO_VALUE),
+    }
+
+
+def _record_offsets(key_fmt: int, value_fmt: int) -> tuple[int, ...]:
+    """Made-up byte offsets of the fields two formats store, 16 apart, as record_pass takes
+    them (-1 for the fields they do not store)."""
+    from kvspec.accelerated import attention_kernels
+
+    names = attention_kernels._record_field_names(key_fmt, value_fmt)
+    offsets = tuple(16 * (i + 1) for i in range(len(names)))
+    return attention_kernels._record_offsets(key_fmt, value_fmt, offsets)
 
 
 def _parameters(code: str, function: str) -> list[str]:
@@ -61,7 +81,11 @@ def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) ->
         arguments = [a.strip() for a in call.split(">(", 1)[1].removesuffix(");").split(",")]
         assert len(arguments) == len(parameters), name
         for parameter, argument in zip(parameters, arguments, strict=True):
-            assert argument in (parameter, "nullptr", "k_codes_strides"), (name, parameter)
+            stand_ins = (
+                "nullptr",
+                "record_strides" if name.endswith("record") else "k_codes_strides",
+            )
+            assert argument in (parameter, *stand_ins), (name, parameter)
     calls = _calls()
     pass1 = calls["attention pass 1 turboquant mma=True counted=False slot=False"][0]
     assert "rows" not in pass1 and "slot_row" not in pass1
@@ -73,6 +97,13 @@ def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) ->
     turbo = calls["attention pass 1 turboquant mma=True counted=True slot=True"][0]
     assert "table," in turbo and "new_k_biases," in turbo and "v_biases" not in turbo
     assert "signs" not in calls["attention merge"][0]
+    # A record variant reads every field of the record at its offset: TurboQuant values have
+    # no biases (-1). Its only stored inputs are the record and the slot's record row.
+    record = calls["attention pass 1 turboquant mma=True counted=True slot=True record"][0]
+    assert "SCALE_BITS, 16, 32, 48, 64, 80, -1>(" in record
+    assert "new_record, new_record_strides" in record and "k_codes" not in record
+    plain = calls["attention pass 1 plain mma=False counted=False slot=False record"][0]
+    assert "SCALE_BITS, 16, -1, -1, 32, -1, -1>(" in plain and "nullptr, record_strides" in plain
 
 
 def test_an_included_file_is_named_by_its_path_and_its_contents(

@@ -183,7 +183,8 @@ def _cuda_core_attend(read, queries, scale: float):
     tensor-core body would otherwise take."""
     from kvspec.accelerated import attention_kernels
 
-    assert attention_kernels.tensor_core_fit(read.keys, read.values)
+    keys, values, _, _ = read.formats()
+    assert attention_kernels.tensor_core_fit(keys, values)
     return read.attend(queries, scale, tensor_cores=False)
 
 

@@ -35,6 +35,7 @@ import mlx.core as mx
 from kvspec.accelerated import affine, attention_kernels, caches, turboquant
 from kvspec.accelerated.caches.compiled import compile_decode
 from kvspec.accelerated.caches.reads import StoredRead
+from kvspec.accelerated.device import fused_kernels_enabled
 
 KV_HEADS = 8
 QUERY_HEADS = 32
@@ -332,10 +333,12 @@ def eager_rows(
 def cuda_core_attend(read: object, q: mx.array, scale: float) -> Callable[[], mx.array] | None:
     """The read's decode attention on the CUDA-core body, where the tensor-core body would
     take it (READ-7 on CUDA); None elsewhere."""
+    if not isinstance(read, StoredRead):
+        return None
+    keys, values, kv_heads, _ = read.formats()
     if not (
-        isinstance(read, StoredRead)
-        and attention_kernels.supported(read.keys, read.values, q.shape[1])
-        and attention_kernels.tensor_core_fit(read.keys, read.values)
+        attention_kernels.supported(keys, values, kv_heads, q.shape[1])
+        and attention_kernels.tensor_core_fit(keys, values)
     ):
         return None
     return lambda: read.attend(q, scale, tensor_cores=False)
@@ -360,8 +363,17 @@ def encode_rows(positions: int, repeats: int) -> list[Row]:
     k, v = random_kv(positions)
     copy = median_seconds(lambda: (k + 0, v + 0), repeats)
     rows = []
+    # The caches' encode: on CUDA one record per position (the fields' views would cost
+    # a copy each where evaluated), elsewhere the fields.
+    if fused_kernels_enabled():
+        tq_name, tq_encode = (
+            "turboquant encode_record_deferred k8v4",
+            turboquant.encode_record_deferred,
+        )
+    else:
+        tq_name, tq_encode = "turboquant encode_deferred k8v4", turboquant.encode_deferred
     encoders = {
-        "turboquant encode_deferred k8v4": lambda: turboquant.encode_deferred(k, v, 8, 4),
+        tq_name: lambda: tq_encode(k, v, 8, 4),
         "affine quantize_deferred 4-bit g64 (k, v)": lambda: (
             affine.quantize_deferred(k, 64, 4),
             affine.quantize_deferred(v, 64, 4),

@@ -61,6 +61,7 @@ DECODE = "conformance/test_decode_step.py"
 STEP_OPS = "conformance/test_step_ops.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
+RECORDS = "conformance/test_records.py"
 RING_MASKS = "test_ring_masks_against_positions_written"
 ROWS = "conformance/test_rows.py"
 MLX_LM_BATCH = "conformance/test_mlx_lm_batch.py"
@@ -533,6 +534,42 @@ CATALOGUE = (
         "    if True:\n",
         "a row still plain joins a switched bf16-first batch unconverted (ROWS-7)",
         (f"{MLX_LM_BATCH}::test_bf16_first_batch_switches_as_one",),
+    ),
+    Mutant(
+        "mlx-record-fields-8-aligned",
+        "accelerated/records.py",
+        "    while alignment < ROW_ALIGNMENT and row_bytes % (2 * alignment) == 0:\n",
+        "    while alignment < 8 and row_bytes % (2 * alignment) == 0:\n",
+        "a record's fields are aligned to 8 bytes at most: a kernel's 16-byte loads of a "
+        "field may straddle (TQC-1)",
+        (f"{RECORDS}::test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row",),
+    ),
+    Mutant(
+        "mlx-record-row-unpadded",
+        "accelerated/records.py",
+        "    row_bytes = -(-end // ROW_ALIGNMENT) * ROW_ALIGNMENT\n",
+        "    row_bytes = end\n",
+        "a record row ends with its last field, so rows after the first start unaligned (TQC-1)",
+        (f"{RECORDS}::test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row",),
+    ),
+    Mutant(
+        "mlx-record-gaps-unset",
+        "accelerated/records.py",
+        "            parts.append(mx.zeros((*field.shape[:3], offset - end), mx.uint8))\n",
+        "            parts.append(mx.ones((*field.shape[:3], offset - end), mx.uint8))\n",
+        "the bytes between a record's fields are not zero (TQC-1)",
+        (
+            f"{RECORDS}::test_packed_rows_hold_each_field_at_its_offset_and_zeros_between",
+            f"{RECORDS}::test_the_turboquant_cache_stores_the_reference_fields_in_one_record",
+        ),
+    ),
+    Mutant(
+        "mlx-record-read-offset-of-the-next-field",
+        "accelerated/caches/records.py",
+        "            offsets = tuple(fields.layout.offsets[i] for i in stored)\n",
+        "            offsets = tuple(fields.layout.offsets[min(i + 1, 4)] for i in stored)\n",
+        "the kernels are told each field of a record lies where the next one does (READ-7)",
+        (f"{RECORDS}::test_a_turboquant_read_names_each_field_at_its_record_offset",),
     ),
 )
 

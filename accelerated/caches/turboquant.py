@@ -12,6 +12,8 @@ from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredS
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.accelerated.caches.reads import SlotRead, running
+from kvspec.accelerated.caches.records import RecordFields, RecordStorage
+from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import turboquant as reference
 from kvspec.reference.caches.protocol import Read
 from kvspec.reference.caches.storage import Fields
@@ -27,7 +29,7 @@ class DeferredRead(reference.DeferredRead):
     turboquant = turboquant
 
 
-class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
+class TurboQuantKVCache(RecordStorage, GrowingStorage, reference.TurboQuantKVCache):
     """TurboQuant growable storage (TQC-1) on MLX."""
 
     turboquant: ModuleType = turboquant
@@ -36,7 +38,15 @@ class TurboQuantKVCache(GrowingStorage, reference.TurboQuantKVCache):
     value_magnitudes = (4,)
 
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
-        """DEFER-1 .. DEFER-3 with the running rank folded inside the encode (TQ-10)."""
+        """DEFER-1 .. DEFER-3 with the running rank folded inside the encode (TQ-10); on
+        CUDA the fields come as the one record the kernel writes."""
+        if fused_kernels_enabled() and k.size > 0:
+            prior = running(self)
+            record, failure = turboquant.encode_record_deferred(
+                k, v, self.k_bits, self.v_bits, prior
+            )
+            layout = turboquant.stored_layout(self.k_bits, self.v_bits, k.shape[-1])
+            return RecordFields(record, layout), failure
         t, failure = turboquant.encode_deferred(k, v, self.k_bits, self.v_bits, running(self))
         return (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales), failure
 

@@ -679,6 +679,65 @@ __device__ __forceinline__ void partial_pass(
     }
 }
 
+// A field of a record row at byte `offset` as its element type (none where offset < 0: the
+// format does not store it, or where there is no record).
+template <typename T>
+__device__ __forceinline__ const T* record_field(const uint8_t* record, int offset) {
+    return record == nullptr || offset < 0 ? nullptr : reinterpret_cast<const T*>(record + offset);
+}
+
+// The strides of a 4-d array's axes, in elements of SIZE bytes where the array's strides
+// are in bytes (a record's, uint8 rows, accelerated/records.py): a record's strides along
+// batch, heads and positions are multiples of its rows' 16 bytes. (The last axis's stride
+// of a record, one byte, is not read.)
+struct AxisStrides {
+    long long s[4];
+    __device__ __forceinline__ long long operator[](int i) const { return s[i]; }
+};
+
+template <int SIZE, typename S>
+__device__ __forceinline__ AxisStrides element_strides(const S& bytes) {
+    return AxisStrides{{bytes[0] / SIZE, bytes[1] / SIZE, bytes[2] / SIZE, bytes[3] / SIZE}};
+}
+
+// Pass 1 over keys and values stored in one record per row (accelerated/records.py): the
+// fields the formats store at byte offsets OFF_* of a row (-1: a field they do not store),
+// read where they lie; in the slot variant the new position's from its record row.
+template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
+          typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
+          int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
+          int OFF_KC, int OFF_KS, int OFF_KB, int OFF_VC, int OFF_VS, int OFF_VB,
+          typename Shape, typename Strides>
+__device__ __forceinline__ void record_pass(
+    const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
+    const uint8_t* record, const Shape& record_shape, const Strides& record_strides,
+    const float* table, const int* rows, const int* slot_row,
+    const uint8_t* new_record, const Strides& new_record_strides, float* partial, float* stats) {
+    // One strides type for every argument of partial_pass: the queries' in elements too.
+    const AxisStrides q = element_strides<1>(queries_strides);
+    const AxisStrides kc = element_strides<sizeof(KC)>(record_strides);
+    const AxisStrides ks = element_strides<sizeof(KS)>(record_strides);
+    const AxisStrides vc = element_strides<sizeof(VC)>(record_strides);
+    const AxisStrides vs = element_strides<sizeof(VS)>(record_strides);
+    const AxisStrides new_kc = element_strides<sizeof(KC)>(new_record_strides);
+    const AxisStrides new_ks = element_strides<sizeof(KS)>(new_record_strides);
+    const AxisStrides new_vc = element_strides<sizeof(VC)>(new_record_strides);
+    const AxisStrides new_vs = element_strides<sizeof(VS)>(new_record_strides);
+    partial_pass<MMA, COUNTED, SLOT, QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS,
+                 KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS>(
+        queries, queries_shape, q,
+        record_field<KC>(record, OFF_KC), record_shape, kc,
+        record_field<KS>(record, OFF_KS), ks, record_field<KS>(record, OFF_KB),
+        record_field<VC>(record, OFF_VC), vc,
+        record_field<VS>(record, OFF_VS), vs, record_field<VS>(record, OFF_VB),
+        table, rows, slot_row,
+        record_field<KC>(new_record, OFF_KC), new_kc,
+        record_field<KS>(new_record, OFF_KS), new_ks, record_field<KS>(new_record, OFF_KB),
+        record_field<VC>(new_record, OFF_VC), new_vc,
+        record_field<VS>(new_record, OFF_VS), new_vs, record_field<VS>(new_record, OFF_VB),
+        partial, stats);
+}
+
 // Pass 2 of one block (b, query head blockIdx.x), DV threads: merge the splits and, for
 // TurboQuant values (ROTATED), unrotate the output row once (TQ-8).
 template <int DV, bool ROTATED, typename OT, int INV_SQRT_BITS, typename Shape>

@@ -74,13 +74,18 @@ __device__ __forceinline__ void decode_row(
     values[base + j] = __fmul_rn(scaled, signs[j]);
 }
 
-// TQ-3 .. TQ-10 in one pass: each block encodes R positions of a head, keys and values.
-template <typename T, int D, int KBITS, int VBITS, int INV_SQRT_BITS, int CHECKS,
-          typename Shape, typename KI>
+// TQ-3 .. TQ-10 in one pass: each block encodes R positions of a head, keys and values,
+// into one record per position (accelerated/records.py): ROW_BYTES bytes, the five fields at
+// byte offsets OFF_*, the gaps between and after them zero.
+template <typename T, typename KI, int D, int KBITS, int VBITS, int INV_SQRT_BITS, int CHECKS,
+          int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
+          typename Shape>
 __device__ __forceinline__ void encode_rows(
     const T* k, const Shape& k_shape, const T* v, const float* boundaries, const float* signs,
-    const uint32_t* prior, KI* k_idx, __half* k_scales, __half* k_zeros, uint8_t* v_packed,
-    __half* v_scales, uint32_t* total) {
+    const uint32_t* prior, uint8_t* record, uint32_t* total) {
+    constexpr int KEY_BYTES = D * KBITS / 8;
+    constexpr int VALUE_BYTES = D * VBITS / 8;
+    constexpr int GROUP_BYTES = D / 32 * 2;
     // Block: R rows (positions of a head) of D threads; thread (j, r) holds element j of
     // row r. Warp w of a row is key group w and value group w (groups of 32).
     const unsigned int j = threadIdx.x;
@@ -94,8 +99,13 @@ __device__ __forceinline__ void encode_rows(
     const unsigned long long row_index = (unsigned long long)blockIdx.x * R + r;
     const bool active = row_index < rows;
     const unsigned long long row = active ? row_index : rows - 1;
+    uint8_t* const own_record = record + row * ROW_BYTES;
+    KI* const k_idx = reinterpret_cast<KI*>(own_record + OFF_KI);
+    __half* const k_scales = reinterpret_cast<__half*>(own_record + OFF_KS);
+    __half* const k_zeros = reinterpret_cast<__half*>(own_record + OFF_KZ);
+    uint8_t* const v_packed = own_record + OFF_VP;
+    __half* const v_scales = reinterpret_cast<__half*>(own_record + OFF_VS);
     const unsigned long long base = row * D;
-    const unsigned long long group_base = row * (D / 32);
     __shared__ unsigned char key_codes[1024];
     __shared__ unsigned char value_codes[1024];
     __shared__ float lane_values[2][1024];
@@ -148,13 +158,13 @@ __device__ __forceinline__ void encode_rows(
     // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
     const int key_code = key_ok ? (int)code : 0;
     if (is_signed) {
-        if (active) k_idx[base + j] = (signed char)key_code;
+        if (active) k_idx[j] = (signed char)key_code;
     } else {
         own_keys[j] = (unsigned char)key_code;
     }
     if (active && lane == 0) {
-        k_scales[group_base + group] = key_ok ? scale16 : nan16;
-        k_zeros[group_base + group] = key_ok ? zero16 : __float2half_rn(0.0f);
+        k_scales[group] = key_ok ? scale16 : nan16;
+        k_zeros[group] = key_ok ? zero16 : __float2half_rn(0.0f);
     }
 
     // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
@@ -194,7 +204,7 @@ __device__ __forceinline__ void encode_rows(
         if (boundaries[count + stride - 1] < u) count += stride;
     }
     own_values[j] = value_ok ? (unsigned char)count : 0;
-    if (active && lane == 0) v_scales[group_base + group] = value_ok ? rms16 : nan16;
+    if (active && lane == 0) v_scales[group] = value_ok ? rms16 : nan16;
 
     // DEFER-2: bit i of a row's failures is TQ-3's check i; the row's rank names its
     // lowest bit, the block's rank is the largest, folded into the prior one (DEFER-3).
@@ -211,23 +221,30 @@ __device__ __forceinline__ void encode_rows(
     }
 
     // TQ-9: each vector's codes as one LSB-first byte stream; thread m writes byte m.
-    if (active && !is_signed && j < D * KBITS / 8) {
+    if (active && !is_signed && j < KEY_BYTES) {
         unsigned int byte = 0;
         for (unsigned int i = (8 * j) / KBITS; i <= (8 * j + 7) / KBITS; ++i) {
             const int shift = (int)(i * KBITS) - (int)(8 * j);
             const unsigned int c = own_keys[i];
             byte |= shift >= 0 ? c << shift : c >> -shift;
         }
-        k_idx[row * (D * KBITS / 8) + j] = (unsigned char)byte;
+        k_idx[j] = (unsigned char)byte;
     }
-    if (active && j < D * VBITS / 8) {
+    if (active && j < VALUE_BYTES) {
         unsigned int byte = 0;
         for (unsigned int i = (8 * j) / VBITS; i <= (8 * j + 7) / VBITS; ++i) {
             const int shift = (int)(i * VBITS) - (int)(8 * j);
             const unsigned int c = own_values[i];
             byte |= shift >= 0 ? c << shift : c >> -shift;
         }
-        v_packed[row * (D * VBITS / 8) + j] = (unsigned char)byte;
+        v_packed[j] = (unsigned char)byte;
+    }
+    // The record's bytes outside every field.
+    for (unsigned int b = j; active && b < ROW_BYTES; b += D) {
+        const bool in_field = (b >= OFF_KI && b < OFF_KI + KEY_BYTES) ||
+            (b >= OFF_KS && b < OFF_KS + GROUP_BYTES) || (b >= OFF_KZ && b < OFF_KZ + GROUP_BYTES) ||
+            (b >= OFF_VP && b < OFF_VP + VALUE_BYTES) || (b >= OFF_VS && b < OFF_VS + GROUP_BYTES);
+        if (!in_field) own_record[b] = 0;
     }
     __syncthreads();
     if (j == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);

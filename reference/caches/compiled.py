@@ -91,8 +91,9 @@ class DecodeTrace:
         position, active_length, *failure = self._inputs
         storage._failure = failure[0] if failure else 0
         new, rank = storage._encode_deferred(k, v)
-        self.outputs = (*new, rank) if storage.deferred_checks else tuple(new)
-        return storage._slot_read(self._fields, tuple(new), position, active_length)
+        arrays = storage._step_arrays(new)
+        self.outputs = (*arrays, rank) if storage.deferred_checks else arrays
+        return storage._slot_read(self._fields, new, position, active_length)
 
 
 class DecodeStepMethods:
@@ -131,14 +132,14 @@ class DecodeStepMethods:
     def decode_slot(self, plan: DecodePlan) -> DecodeSlot:
         """COMPILE-3: the graph's key, and a trace over a copy of this storage's parameters
         made when it traces (no arrays: a compiled graph would keep them as constants)."""
-        fields = self._room_of(plan).fields
-        rows = self._window_rows(plan, fields[0].shape[2])
+        arrays = self._step_arrays(self._room_of(plan).fields)
+        rows = self._window_rows(plan, arrays[0].shape[2])
         key = (
             type(self).__qualname__,
             self._graph_parameters(),
-            tuple(((*field.shape[:2], rows, *field.shape[3:]), field.dtype) for field in fields),
+            tuple(((*array.shape[:2], rows, *array.shape[3:]), array.dtype) for array in arrays),
         )
-        count = len(fields)
+        count = len(arrays)
         encoding = bool(self.deferred_checks)
 
         def trace(inputs: Sequence[Any]) -> DecodeTrace:
@@ -146,7 +147,8 @@ class DecodeStepMethods:
             parameters._fields = None
             parameters._prepared = None
             parameters._failure = 0
-            return DecodeTrace(parameters, tuple(inputs[:count]), inputs[count:])
+            fields = parameters._step_fields(tuple(inputs[:count]))
+            return DecodeTrace(parameters, fields, inputs[count:])
 
         return DecodeSlot(key, plan, count + 2 + encoding, count + encoding, trace)
 
@@ -178,6 +180,7 @@ class DecodeStepMethods:
                 new = tuple(parts)
             else:
                 new = self._record_failure(tuple(parts), failure)
+        new = self._step_fields(new)
         self._adopt_room(room)
         self._write_decoded(new, slot.plan.write_position)
         return self.stored_fields()
@@ -185,11 +188,21 @@ class DecodeStepMethods:
     def _windows(self, plan: DecodePlan) -> tuple[Any, ...]:
         """COMPILE-3: the first `_window_rows` rows of every buffer of the room `plan` was
         made with."""
-        fields = self._room_of(plan).fields
-        rows = self._window_rows(plan, fields[0].shape[2])
-        if rows == fields[0].shape[2]:
-            return tuple(fields)
-        return tuple(field[:, :, :rows] for field in fields)
+        arrays = self._step_arrays(self._room_of(plan).fields)
+        rows = self._window_rows(plan, arrays[0].shape[2])
+        if rows == arrays[0].shape[2]:
+            return arrays
+        return tuple(array[:, :, :rows] for array in arrays)
+
+    def _step_arrays(self, fields: tuple[Any, ...]) -> tuple[Any, ...]:
+        """COMPILE-3, COMPILE-4: the arrays a step's graph takes and gives for `fields`:
+        the fields themselves here; a backend that keeps a row's fields in one record
+        gives the record (the same bytes)."""
+        return tuple(fields)
+
+    def _step_fields(self, arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The fields of a step's arrays (`_step_arrays`): here the arrays themselves."""
+        return arrays
 
     def _window_rows(self, plan: DecodePlan, length: int) -> int:
         """COMPILE-3: how many leading rows of buffers of `length` rows the graph reads: the

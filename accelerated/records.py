@@ -1,0 +1,82 @@
+"""Records: a row's fields side by side in one uint8 buffer, each at its offset, the gaps
+and the row's end zero. The MLX storages keep their fields in one record per cache
+(accelerated/caches/records.py) and the CUDA encoders write one: on MLX's CUDA backend
+every array an op takes or makes costs the host time at every decode step
+(docs/performance.md). A record holds the fields' own bits; the stored format is theirs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from kvspec.reference.caches.storage import Fields
+
+#: A record row's bytes are a multiple of this, and no field's offset needs more.
+ROW_ALIGNMENT = 16
+
+
+class RecordLayout(NamedTuple):
+    """Each field's dtype (its name in mlx.core: a cache is deep-copied, and an mx.Dtype
+    cannot be), width (elements per row) and byte offset in a row; the row's bytes."""
+
+    dtypes: tuple[str, ...]
+    widths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    row_bytes: int
+
+
+def _alignment(row_bytes: int) -> int:
+    # The largest power of two up to ROW_ALIGNMENT dividing a field's row: a kernel's loads
+    # of the field (whole shares of the row, a power of two bytes each) stay aligned.
+    alignment = 1
+    while alignment < ROW_ALIGNMENT and row_bytes % (2 * alignment) == 0:
+        alignment *= 2
+    return alignment
+
+
+def record_layout(fields: Sequence[tuple[mx.Dtype, int]]) -> RecordLayout:
+    """The layout of fields of (dtype, width) side by side, in their order: each at the
+    first offset past the one before that is a multiple of its alignment, the row padded
+    to ROW_ALIGNMENT bytes (so that every row starts aligned)."""
+    offsets = []
+    end = 0
+    for dtype, width in fields:
+        alignment = _alignment(width * dtype.size)
+        end = -(-end // alignment) * alignment
+        offsets.append(end)
+        end += width * dtype.size
+    row_bytes = -(-end // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    dtypes = tuple(str(dtype).removeprefix("mlx.core.") for dtype, _ in fields)
+    widths = tuple(width for _, width in fields)
+    return RecordLayout(dtypes, widths, tuple(offsets), row_bytes)
+
+
+def layout_of(fields: Fields) -> RecordLayout:
+    """The record layout of `fields` [B, H, T, w_i]."""
+    return record_layout([(field.dtype, field.shape[3]) for field in fields])
+
+
+def packed(fields: Fields, layout: RecordLayout) -> mx.array:
+    """`fields` [B, H, T, *] as one uint8 record [B, H, T, row_bytes], gaps zero."""
+    parts = []
+    end = 0
+    for field, offset in zip(fields, layout.offsets, strict=True):
+        if offset > end:
+            parts.append(mx.zeros((*field.shape[:3], offset - end), mx.uint8))
+        raw = field.view(mx.uint8)
+        parts.append(raw)
+        end = offset + raw.shape[3]
+    if layout.row_bytes > end:
+        parts.append(mx.zeros((*fields[0].shape[:3], layout.row_bytes - end), mx.uint8))
+    return mx.concatenate(parts, axis=3)
+
+
+def unpacked(record: mx.array, layout: RecordLayout) -> Fields:
+    """The fields of `record` [B, H, T, row_bytes], each a view of it."""
+    fields = []
+    for name, width, offset in zip(layout.dtypes, layout.widths, layout.offsets, strict=True):
+        dtype = getattr(mx, name)
+        fields.append(record[..., offset : offset + width * dtype.size].view(dtype))
+    return tuple(fields)
