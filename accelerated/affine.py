@@ -13,11 +13,14 @@ Three encoders store the same bits, one chosen by the device (AFF-9):
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
 
 from kvspec.accelerated import affine_kernels
 from kvspec.accelerated import bits as bitstream
 from kvspec.accelerated.dtypes import dtype_name, narrow, quiet_nan, widen
+from kvspec.accelerated.records import RecordLayout, record_layout
 from kvspec.reference.affine import (
     DEFERRED_CHECKS,
     EPS,
@@ -241,6 +244,36 @@ def quantize_deferred_pair(
     *keys, failure = quantize_deferred(k, group_size, bits, prior)
     *values, failure = quantize_deferred(v, group_size, bits, failure)
     return (*keys, *values, failure)
+
+
+@cache
+def stored_layout(group_size: int, bits: int, head_dim: int, dtype: mx.Dtype) -> RecordLayout:
+    """The record of one position's six affine fields of keys and values (QKV-1) of
+    `head_dim` and input `dtype`, in slot order (accelerated/records.py): what the CUDA
+    pair encoder writes and the MLX cache stores."""
+    groups = head_dim // group_size
+    side = [(mx.uint32, head_dim * bits // 32), (dtype, groups), (dtype, groups)]
+    return record_layout(side * 2)
+
+
+def record_encoder_takes(k: mx.array, v: mx.array) -> bool:
+    """Whether `quantize_record_deferred` takes keys and values: the CUDA encoder, keys and
+    values of one shape and dtype, not empty."""
+    same = k.shape == v.shape and k.dtype == v.dtype
+    return same and k.size > 0 and _default_encoder() == "cuda"
+
+
+def quantize_record_deferred(
+    k: mx.array, v: mx.array, group_size: int, bits: int, prior: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """`quantize_deferred_pair` where `record_encoder_takes` the input: the six fields as one
+    record uint8 [B, H, L, row_bytes] of `stored_layout`, and the failure, one launch."""
+    validate_layout(k, group_size, bits)
+    validate_layout(v, group_size, bits)
+    if not record_encoder_takes(k, v):
+        raise ValueError("the record encoder takes keys and values of one shape on CUDA")
+    layout = stored_layout(group_size, bits, k.shape[-1], k.dtype)
+    return affine_kernels.quantize_pair_record(k, v, group_size, bits, prior, layout)
 
 
 def dequantize(

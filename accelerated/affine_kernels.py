@@ -10,6 +10,8 @@ The kernel also ranks input the format cannot hold (AFF-1, AFF-7) as DEFER-2 doe
 NaN or inf, 1 for a range or edge / scale that overflows float32; such a group is stored as
 DEFER-1 says (codes 0, bias 0, a quiet NaN scale). Each block folds its groups' largest
 rank into a prior one (DEFER-3), so a cache's running rank costs no launch of its own.
+Keys and values of one shape take one launch, which can write their six fields as one
+record per position (accelerated/records.py), as the MLX affine cache stores them.
 The code is accelerated/cuda/affine.cuh (quantize_groups); the kernels handed to MLX
 include it and call into it (cuda_source.included).
 """
@@ -22,6 +24,7 @@ import mlx.core as mx
 
 from kvspec.accelerated.cuda_source import included
 from kvspec.accelerated.dtypes import dtype_name
+from kvspec.accelerated.records import RecordLayout
 from kvspec.reference.dtypes import QUIET_NAN_BITS
 
 #: Elements per thread, as in affine.cuh. Groups that 1024 threads hold (a decode step's)
@@ -33,13 +36,19 @@ _PER_THREAD = 8
 
 #: The kernel's code (cuda_source.included): the source MLX builds at every call is a call.
 _INCLUDE = included("affine.cuh")
+_FIELDS = "0, 0, 0, 0, 0, 0, 0"  # ROW_BYTES 0: the fields apart, no record
 _ONE_TENSOR_CALL = (
-    "kvspec_affine::quantize_groups<false, T, GROUP, BITS, NAN_BITS>(w, w_shape, w_ndim, "
-    "nullptr, prior, wq, scales, biases, nullptr, nullptr, nullptr, total);"
+    f"kvspec_affine::quantize_groups<false, T, GROUP, BITS, NAN_BITS, {_FIELDS}>(w, w_shape, "
+    "w_ndim, nullptr, prior, wq, scales, biases, nullptr, nullptr, nullptr, nullptr, total);"
 )
 _PAIR_CALL = (
-    "kvspec_affine::quantize_groups<true, T, GROUP, BITS, NAN_BITS>(w, w_shape, w_ndim, v, "
-    "prior, wq, scales, biases, v_wq, v_scales, v_biases, total);"
+    f"kvspec_affine::quantize_groups<true, T, GROUP, BITS, NAN_BITS, {_FIELDS}>(w, w_shape, "
+    "w_ndim, v, prior, wq, scales, biases, v_wq, v_scales, v_biases, nullptr, total);"
+)
+_RECORD_CALL = (
+    "kvspec_affine::quantize_groups<true, T, GROUP, BITS, NAN_BITS, ROW_BYTES, OFF_KW, OFF_KS, "
+    "OFF_KB, OFF_VW, OFF_VS, OFF_VB>(w, w_shape, w_ndim, v, prior, nullptr, nullptr, nullptr, "
+    "nullptr, nullptr, nullptr, record, total);"
 )
 
 
@@ -61,6 +70,17 @@ def _pair_kernel() -> object:
         input_names=["w", "v", "prior"],
         output_names=["wq", "scales", "biases", "v_wq", "v_scales", "v_biases", "total"],
         source=_PAIR_CALL,
+        header=_INCLUDE,
+    )
+
+
+@cache
+def _record_kernel() -> object:
+    return mx.fast.cuda_kernel(
+        name="kvspec_affine_quantize_record",
+        input_names=["w", "v", "prior"],
+        output_names=["record", "total"],
+        source=_RECORD_CALL,
         header=_INCLUDE,
     )
 
@@ -95,15 +115,41 @@ def quantize_pair_groups(
     return _launch(_pair_kernel(), (k, v), group_size, bits, prior)
 
 
+def quantize_pair_record(
+    k: mx.array,
+    v: mx.array,
+    group_size: int,
+    bits: int,
+    prior: mx.array | None,
+    layout: RecordLayout,
+) -> tuple[mx.array, mx.array]:
+    """`quantize_pair_groups`' six fields as one record uint8 [B, H, L, row_bytes] of
+    `layout` (accelerated/records.py), and the failure, in one launch. Keys and values
+    share one [B, H, L, D] shape and dtype (the caller checks)."""
+    names = ("OFF_KW", "OFF_KS", "OFF_KB", "OFF_VW", "OFF_VS", "OFF_VB")
+    offsets = list(zip(names, layout.offsets, strict=True))
+    record, failure = _launch(
+        _record_kernel(),
+        (k, v),
+        group_size,
+        bits,
+        prior,
+        ([("ROW_BYTES", layout.row_bytes), *offsets], [(*k.shape[:3], layout.row_bytes)]),
+    )
+    return record, failure
+
+
 def _launch(
     kernel: object,
     tensors: tuple[mx.array, ...],
     group_size: int,
     bits: int,
     prior: mx.array | None,
+    record: tuple[list, list] | None = None,
 ) -> tuple[mx.array, ...]:
     """Every group of `tensors` (one shape and dtype) through `kernel`: each tensor's
-    (wq, scales, biases), then the failure."""
+    (wq, scales, biases), then the failure; with `record` (its template arguments and
+    shape), the record, then the failure."""
     w = tensors[0]
     *lead, D = w.shape
     n_groups = len(tensors) * (w.size // group_size)
@@ -111,6 +157,14 @@ def _launch(
     threads = -(-n_groups * (group_size // _PER_THREAD) // 32) * 32
     block_threads = threads if threads <= _ONE_BLOCK_THREADS else _BLOCK_THREADS
     blocks = -(-threads // block_threads)
+    if record is None:
+        extra_template: list = []
+        shapes = [(*lead, D * bits // 32), (*lead, D // group_size), (*lead, D // group_size)]
+        shapes *= len(tensors)
+        dtypes = [mx.uint32, w.dtype, w.dtype] * len(tensors)
+    else:
+        extra_template, shapes = record
+        dtypes = [mx.uint8]
     *fields, totals = kernel(
         inputs=[*tensors, no_failure() if prior is None else prior],
         template=[
@@ -118,13 +172,12 @@ def _launch(
             ("GROUP", group_size),
             ("BITS", bits),
             ("NAN_BITS", QUIET_NAN_BITS[dtype_name(w.dtype)]),
+            *extra_template,
         ],
         grid=(threads, 1, 1),
         threadgroup=(block_threads, 1, 1),
-        output_shapes=[(*lead, D * bits // 32), (*lead, D // group_size), (*lead, D // group_size)]
-        * len(tensors)
-        + [(blocks,)],
-        output_dtypes=[mx.uint32, w.dtype, w.dtype] * len(tensors) + [mx.uint32],
+        output_shapes=[*shapes, (blocks,)],
+        output_dtypes=[*dtypes, mx.uint32],
     )
     failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
     return (*fields, failure)

@@ -37,16 +37,21 @@ def _alignment(row_bytes: int) -> int:
 
 
 def record_layout(fields: Sequence[tuple[mx.Dtype, int]]) -> RecordLayout:
-    """The layout of fields of (dtype, width) side by side, in their order: each at the
-    first offset past the one before that is a multiple of its alignment, the row padded
-    to ROW_ALIGNMENT bytes (so that every row starts aligned)."""
-    offsets = []
+    """The layout of fields of (dtype, width) side by side: in order of decreasing
+    alignment (the largest power of two up to ROW_ALIGNMENT dividing the field's bytes per
+    row; the given order among equals), each at the first offset past the one placed before
+    it that is a multiple of its alignment, the row padded to ROW_ALIGNMENT bytes (so that
+    every row starts aligned). Placing the widest alignments first leaves no gap but the
+    row's end. The offsets are given in the fields' order."""
+    sizes = [width * dtype.size for dtype, width in fields]
+    order = sorted(range(len(fields)), key=lambda i: -_alignment(sizes[i]))
+    offsets = [0] * len(fields)
     end = 0
-    for dtype, width in fields:
-        alignment = _alignment(width * dtype.size)
+    for i in order:
+        alignment = _alignment(sizes[i])
         end = -(-end // alignment) * alignment
-        offsets.append(end)
-        end += width * dtype.size
+        offsets[i] = end
+        end += sizes[i]
     row_bytes = -(-end // ROW_ALIGNMENT) * ROW_ALIGNMENT
     dtypes = tuple(str(dtype).removeprefix("mlx.core.") for dtype, _ in fields)
     widths = tuple(width for _, width in fields)
@@ -60,16 +65,17 @@ def layout_of(fields: Fields) -> RecordLayout:
 
 def packed(fields: Fields, layout: RecordLayout) -> mx.array:
     """`fields` [B, H, T, *] as one uint8 record [B, H, T, row_bytes], gaps zero."""
+    lead = fields[0].shape[:3]
     parts = []
     end = 0
-    for field, offset in zip(fields, layout.offsets, strict=True):
+    for offset, field in sorted(zip(layout.offsets, fields, strict=True), key=lambda p: p[0]):
         if offset > end:
-            parts.append(mx.zeros((*field.shape[:3], offset - end), mx.uint8))
+            parts.append(mx.zeros((*lead, offset - end), mx.uint8))
         raw = field.view(mx.uint8)
         parts.append(raw)
         end = offset + raw.shape[3]
     if layout.row_bytes > end:
-        parts.append(mx.zeros((*fields[0].shape[:3], layout.row_bytes - end), mx.uint8))
+        parts.append(mx.zeros((*lead, layout.row_bytes - end), mx.uint8))
     return mx.concatenate(parts, axis=3)
 
 

@@ -22,6 +22,7 @@ def _calls() -> dict[str, tuple[str, str]]:
         "turboquant encode": (turboquant_kernels._ENCODE_CALL, "turboquant.cuh"),
         "affine encode": (affine_kernels._ONE_TENSOR_CALL, "affine.cuh"),
         "affine encode, keys and values": (affine_kernels._PAIR_CALL, "affine.cuh"),
+        "affine encode, keys and values, record": (affine_kernels._RECORD_CALL, "affine.cuh"),
     }
     for mma in (False, True):
         for counted, slot in ((False, False), (True, False), (True, True)):

@@ -37,18 +37,24 @@ def _pack(arrays: list[np.ndarray], offsets: tuple[int, ...], row_bytes: int) ->
 @settings(deadline=None)
 @given(fields=fields)
 def test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row(records, fields) -> None:
+    """TQC-1: fields in order of decreasing alignment (the given order among equals), each at
+    the first offset past the one before it that is a multiple of its alignment (the largest
+    power of two up to 16 dividing its bytes), the row padded to a multiple of 16."""
     import mlx.core as mx
 
     layout = records.record_layout([(getattr(mx, name), width) for name, width in fields])
+    sizes = [width * getattr(mx, name).size for name, width in fields]
+    alignments = [min(16, size & -size) for size in sizes]
+    placed = sorted(range(len(fields)), key=lambda i: layout.offsets[i])
+    assert placed == sorted(range(len(fields)), key=lambda i: -alignments[i])
     end = 0
-    for (name, width), offset in zip(fields, layout.offsets, strict=True):
-        size = width * getattr(mx, name).size
-        alignment = min(16, size & -size)  # the largest power of two dividing it, up to 16
-        assert offset % alignment == 0 and offset >= end
-        assert offset - end < alignment, "a field starts at its first aligned offset"
-        end = offset + size
+    for i in placed:
+        offset = layout.offsets[i]
+        assert offset % alignments[i] == 0 and end <= offset < end + alignments[i]
+        end = offset + sizes[i]
     assert layout.row_bytes % 16 == 0 and end <= layout.row_bytes < end + 16
     assert layout.dtypes == tuple(name for name, _ in fields)
+    assert layout.widths == tuple(width for _, width in fields)
 
 
 @settings(deadline=None, max_examples=30)
@@ -74,36 +80,55 @@ def test_packed_rows_hold_each_field_at_its_offset_and_zeros_between(
         assert np.array_equal(backend.to_numpy(got.view(mx.uint8)), want)
 
 
-@pytest.mark.parametrize("bits", [(8, 4), (4, 2), (3, 3), (2, 5)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_turboquant_cache_stores_the_reference_fields_in_one_record(
-    backend: Backend, records, bits: tuple[int, int], head_dim: int
+#: Cache kinds whose MLX storage keeps a record, by name: (reference, MLX) of a module.
+RECORD_KINDS = {
+    "turboquant k8v4": lambda m: m.TurboQuantKVCache(8, 4, "dense", checks="deferred"),
+    "turboquant k4v2": lambda m: m.TurboQuantKVCache(4, 2, "dense", checks="deferred"),
+    "turboquant k3v3": lambda m: m.TurboQuantKVCache(3, 3, "dense", checks="deferred"),
+    "turboquant k2v5": lambda m: m.TurboQuantKVCache(2, 5, "dense", checks="deferred"),
+    "affine 4-bit g64": lambda m: m.QuantizedKVCache(64, 4, checks="deferred"),
+    "affine 8-bit g32": lambda m: m.QuantizedKVCache(32, 8, checks="deferred"),
+    "affine 3-bit g128": lambda m: m.QuantizedKVCache(128, 3, checks="deferred"),
+    "affine 2-bit g64": lambda m: m.QuantizedKVCache(64, 2, checks="deferred"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(RECORD_KINDS))
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cache_stores_the_reference_fields_in_one_record(
+    backend: Backend, records, kind: str, head_dim: int, dtype: str
 ) -> None:
-    """TQC-1 on MLX: the record after a prefill that grows the buffers and decode steps is
-    the reference cache's five fields laid out at the layout's offsets, all else zero (on
-    CUDA the encode kernel writes the rows)."""
-    k_bits, v_bits = bits
-    ref = reference.TurboQuantKVCache(k_bits, v_bits, "dense", checks="deferred")
-    acc = backend.module("caches").TurboQuantKVCache(k_bits, v_bits, "dense", checks="deferred")
-    rng = np.random.default_rng(head_dim + k_bits)
+    """TQC-1, QKV-1 on MLX: the record after a prefill that grows the buffers and decode steps
+    is the reference cache's fields laid out at the layout's offsets, all else zero (on CUDA
+    the encode kernels write the rows)."""
+    from kvspec.reference.dtypes import BFLOAT16
+
+    ref = RECORD_KINDS[kind](reference)
+    acc = RECORD_KINDS[kind](backend.module("caches"))
+    rng = np.random.default_rng(head_dim + len(kind))
+    np_dtype = BFLOAT16 if dtype == "bfloat16" else np.float32
     for L in [3, 1, 260, 1, 1]:
-        k = rng.standard_normal((1, 2, L, head_dim)).astype(np.float32)
-        v = rng.standard_normal((1, 2, L, head_dim)).astype(np.float32)
-        ref.append_window(k, v) if L > 1 else ref.append_decode(k, v)
-        acc.append_window(backend.from_numpy(k), backend.from_numpy(v)) if L > 1 else (
-            acc.append_decode(backend.from_numpy(k), backend.from_numpy(v))
-        )
-    layout = backend.module("turboquant").stored_layout(k_bits, v_bits, head_dim)
-    record = acc._fields.record
-    assert acc._fields.layout == layout
-    want = _pack(list(ref._fields), layout.offsets, layout.row_bytes)
-    assert np.array_equal(backend.to_numpy(record), want)
+        k = rng.standard_normal((1, 2, L, head_dim)).astype(np_dtype)
+        v = rng.standard_normal((1, 2, L, head_dim)).astype(np_dtype)
+        for cache, (kk, vv) in (
+            (ref, (k, v)),
+            (acc, (backend.from_numpy(k), backend.from_numpy(v))),
+        ):
+            if L > 1:
+                cache.append_window(kk, vv)
+            else:
+                cache.append_decode(kk, vv)
+    fields = acc._fields
+    assert fields.layout == records.layout_of(tuple(fields))
+    want = _pack(list(ref._fields), fields.layout.offsets, fields.layout.row_bytes)
+    assert np.array_equal(backend.to_numpy(fields.record), want)
 
 
 def test_a_turboquant_read_names_each_field_at_its_record_offset(backend: Backend, records) -> None:
     """READ-7 over a record (TQC-1): the kernels are handed the record once and read each
-    field the formats store at its offset: k8v4 at head dim 128 is laid out as codes (128
-    bytes), key scales and zero points (8 each), value codes (64) and value scales (8)."""
+    field the formats store at its offset: k8v4 at head dim 128 is laid out as key codes
+    (128 bytes), value codes (64), then key scales, zero points and value scales (8 each)."""
     import mlx.core as mx
 
     from kvspec.accelerated import attention_kernels as kernels
@@ -113,8 +138,45 @@ def test_a_turboquant_read_names_each_field_at_its_record_offset(backend: Backen
     k = backend.from_numpy(rng.standard_normal((1, 2, 3, 128)).astype(np.float32))
     cache.append_window(k, k)
     stored, codebook, signs = cache._stored_rows(cache._fields, 2)
-    assert stored.record_format.offsets == (0, 128, 136, 144, 208)
+    assert stored.record_format.offsets == (0, 192, 200, 128, 208)
     assert stored.record_format.keys == (kernels.TURBO_KEY, mx.int8, mx.float16, 8, 32, 128)
     assert stored.record_format.values == (kernels.TURBO_VALUE, mx.uint8, mx.float16, 4, 32, 128)
     assert tuple(stored.record.shape) == (1, 2, 2, 224)
     assert codebook.size == 16 and signs.size == 128
+
+
+def test_an_affine_read_names_each_field_at_its_record_offset(backend: Backend, records) -> None:
+    """READ-7 over a record (QKV-1): 4-bit g64 at head dim 128 in bfloat16 is laid out as key
+    words (64 bytes), value words (64), then key scales, key biases, value scales and value
+    biases (4 each): 144 bytes, no padding."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    cache = backend.module("caches").QuantizedKVCache(64, 4, checks="deferred")
+    rng = np.random.default_rng(0)
+    k = backend.from_numpy(rng.standard_normal((1, 2, 3, 128)).astype(np.float32))
+    cache.append_window(k.astype(mx.bfloat16), k.astype(mx.bfloat16))
+    stored, codebook, signs = cache._stored_rows(cache._fields, None)
+    assert stored.record_format.offsets == (0, 128, 132, 64, 136, 140)
+    side = (kernels.AFFINE, mx.uint32, mx.bfloat16, 4, 64, 128)
+    assert stored.record_format.keys == side and stored.record_format.values == side
+    assert tuple(stored.record.shape) == (1, 2, 256, 144)
+    assert codebook is None and signs is None
+
+
+def test_reads_of_one_record_layout_keep_their_own_formats(backend: Backend, records) -> None:
+    """READ-7: 8-bit groups of 32 at head dim 32 and 4-bit groups of 64 at head dim 64 lay
+    out alike (8 words, a scale and a bias per side), yet each read names its own format."""
+    import mlx.core as mx
+
+    caches = backend.module("caches")
+    read_formats = []
+    for group_size, bits, head_dim in ((32, 8, 32), (64, 4, 64)):
+        cache = caches.QuantizedKVCache(group_size, bits, checks="deferred")
+        k = mx.zeros((1, 1, 2, head_dim), mx.bfloat16)
+        cache.append_window(k, k)
+        stored, _, _ = cache._stored_rows(cache._fields, None)
+        read_formats.append(stored.record_format)
+    assert read_formats[0].offsets == read_formats[1].offsets
+    assert [f.keys[3:] for f in read_formats] == [(8, 32, 32), (4, 64, 64)]

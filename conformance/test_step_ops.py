@@ -26,8 +26,8 @@ BUDGETS = {
     "QuantizedKVCache 4-bit g64": (
         lambda c: c.QuantizedKVCache(64, 4, checks="deferred"),
         3,
-        12,
-        6,
+        7,
+        1,
         {"Slice": 1},
     ),
     "TurboQuantKVCache k8v4": (

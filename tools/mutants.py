@@ -545,6 +545,24 @@ CATALOGUE = (
         (f"{RECORDS}::test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row",),
     ),
     Mutant(
+        "mlx-record-fields-in-slot-order",
+        "accelerated/records.py",
+        "    order = sorted(range(len(fields)), key=lambda i: -_alignment(sizes[i]))\n",
+        "    order = list(range(len(fields)))\n",
+        "a record's fields lie in slot order, with gaps where a wider alignment follows a "
+        "narrower one (TQC-1)",
+        (f"{RECORDS}::test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row",),
+    ),
+    Mutant(
+        "mlx-record-read-format-by-layout",
+        "accelerated/caches/records.py",
+        "        key = (type(self), signature, fields.layout)\n",
+        "        key = (type(self), fields.layout)\n",
+        "a record's read format is looked up by its layout alone, which two formats can share "
+        "(READ-7)",
+        (f"{RECORDS}::test_reads_of_one_record_layout_keep_their_own_formats",),
+    ),
+    Mutant(
         "mlx-record-row-unpadded",
         "accelerated/records.py",
         "    row_bytes = -(-end // ROW_ALIGNMENT) * ROW_ALIGNMENT\n",
@@ -555,8 +573,8 @@ CATALOGUE = (
     Mutant(
         "mlx-record-gaps-unset",
         "accelerated/records.py",
-        "            parts.append(mx.zeros((*field.shape[:3], offset - end), mx.uint8))\n",
-        "            parts.append(mx.ones((*field.shape[:3], offset - end), mx.uint8))\n",
+        "            parts.append(mx.zeros((*lead, offset - end), mx.uint8))\n",
+        "            parts.append(mx.ones((*lead, offset - end), mx.uint8))\n",
         "the bytes between a record's fields are not zero (TQC-1)",
         (
             f"{RECORDS}::test_packed_rows_hold_each_field_at_its_offset_and_zeros_between",

@@ -11,6 +11,7 @@ from kvspec.accelerated import affine
 from kvspec.accelerated.attention_kernels import AFFINE, StoredSide
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.accelerated.caches.reads import running
+from kvspec.accelerated.caches.records import RecordFields, RecordStorage
 from kvspec.reference.caches import quantized
 from kvspec.reference.caches.quantized import check_affine_parameters
 from kvspec.reference.caches.storage import Fields
@@ -50,5 +51,17 @@ class AffineFields(quantized.AffineFields):
         return sides[0], sides[1], None, None
 
 
-class QuantizedKVCache(AffineFields, GrowingStorage, quantized.QuantizedKVCache):
-    """Affine growable storage (QKV-1) on MLX."""
+class QuantizedKVCache(RecordStorage, AffineFields, GrowingStorage, quantized.QuantizedKVCache):
+    """Affine growable storage (QKV-1) on MLX, its six fields in one record per row
+    (TQC-1's records)."""
+
+    def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
+        """AffineFields' encode; on CUDA the fields come as the one record the kernel
+        writes."""
+        if not affine.record_encoder_takes(k, v):
+            return super()._encode_deferred(k, v)
+        self._check_head_dims(k, v)
+        prior = running(self)
+        record, failure = affine.quantize_record_deferred(k, v, self.group_size, self.bits, prior)
+        layout = affine.stored_layout(self.group_size, self.bits, k.shape[-1], k.dtype)
+        return RecordFields(record, layout), failure

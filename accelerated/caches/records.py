@@ -41,9 +41,11 @@ class RecordFields(Sequence):
         return iter(self._fields())
 
 
-#: What the kernels read a record with, by storage type and record layout (which decide
-#: it): its RecordFormat, the value codebook and the sign vector (`_stored_sides`).
-_READ_FORMATS: dict[tuple[type, RecordLayout], tuple[RecordFormat, Any, Any]] = {}
+#: What the kernels read a record with, by storage type, signature and record layout
+#: (which decide it; a layout alone does not: 8-bit groups of 32 at head dim 32 lay out as
+#: 4-bit groups of 64 at 64): its RecordFormat, the value codebook and the sign vector
+#: (`_stored_sides`).
+_READ_FORMATS: dict[tuple[type, str, RecordLayout], tuple[RecordFormat, Any, Any]] = {}
 
 
 class RecordStorage:
@@ -126,7 +128,8 @@ class RecordStorage:
         read them (one input), with the value codebook and signs."""
         if not isinstance(fields, RecordFields):
             return super()._stored_rows(fields, rows)  # type: ignore[misc]
-        key = (type(self), fields.layout)
+        signature = self.signature()  # type: ignore[attr-defined]
+        key = (type(self), signature, fields.layout)
         found = _READ_FORMATS.get(key)
         if found is None:
             keys, values, codebook, signs = self._stored_sides(fields)  # type: ignore[attr-defined]

@@ -32,12 +32,16 @@ __device__ __forceinline__ void load_lane(const T* src, float (&x)[PER_LANE]) {
 // GROUP / PER_LANE consecutive threads, thread `part` of the group holding its elements
 // [PER_LANE part, PER_LANE part + PER_LANE): the range reduces over log2(LANES) shuffles,
 // and at 2, 4 and 8 bits a thread's codes fill half a word, one word or two words of the
-// group's stream (BITS-2) in registers; other widths pack through shared memory.
-template <bool PAIR, typename T, int GROUP, int BITS, int NAN_BITS, typename Shape>
+// group's stream (BITS-2) in registers; other widths pack through shared memory. With
+// ROW_BYTES > 0 (PAIR only) the six fields go to one record per row of w's last axis
+// (accelerated/records.py): ROW_BYTES bytes, the fields at byte offsets OFF_*, the bytes
+// outside them zero; the six field pointers are then not used.
+template <bool PAIR, typename T, int GROUP, int BITS, int NAN_BITS, int ROW_BYTES, int OFF_KW,
+          int OFF_KS, int OFF_KB, int OFF_VW, int OFF_VS, int OFF_VB, typename Shape>
 __device__ __forceinline__ void quantize_groups(
     const T* w, const Shape& w_shape, int w_ndim, const T* v, const uint32_t* prior,
     uint32_t* wq, T* scales, T* biases, uint32_t* v_wq, T* v_scales, T* v_biases,
-    uint32_t* total) {
+    uint8_t* record, uint32_t* total) {
     constexpr int LANES = GROUP / PER_LANE;  // 4, 8 or 16
     constexpr int MOST_GROUPS_PER_BLOCK = 1024 / LANES;  // blocks of up to 1024 threads
     constexpr int WORDS = GROUP * BITS / 32;
@@ -57,9 +61,36 @@ __device__ __forceinline__ void quantize_groups(
     const bool active = index < (PAIR ? 2 : 1) * groups;
     const unsigned long long group = second ? index - groups : index;
     const T* source = second ? v : w;
-    unsigned int* words = second ? v_wq : wq;
-    T* group_scales = second ? v_scales : scales;
-    T* group_biases = second ? v_biases : biases;
+    unsigned int* group_words;
+    T* group_scale;
+    T* group_bias;
+    if constexpr (ROW_BYTES > 0) {
+        // Group j of row `row` of its tensor; the row's record holds both tensors' fields.
+        const unsigned long long per_row = w_shape[w_ndim - 1] / GROUP;
+        const unsigned long long row = group / per_row;
+        const unsigned long long j = group % per_row;
+        uint8_t* own = record + row * ROW_BYTES;
+        group_words = reinterpret_cast<unsigned int*>(own + (second ? OFF_VW : OFF_KW)) + j * WORDS;
+        group_scale = reinterpret_cast<T*>(own + (second ? OFF_VS : OFF_KS)) + j;
+        group_bias = reinterpret_cast<T*>(own + (second ? OFF_VB : OFF_KB)) + j;
+        // The record's bytes outside every field, spread over the threads of the row's keys.
+        const unsigned long long word_bytes = per_row * WORDS * 4;
+        const unsigned long long group_bytes = per_row * sizeof(T);
+        for (unsigned long long b = j * LANES + part; active && !second && b < ROW_BYTES;
+             b += per_row * LANES) {
+            const bool in_field = (b >= OFF_KW && b < OFF_KW + word_bytes) ||
+                (b >= OFF_VW && b < OFF_VW + word_bytes) ||
+                (b >= OFF_KS && b < OFF_KS + group_bytes) ||
+                (b >= OFF_KB && b < OFF_KB + group_bytes) ||
+                (b >= OFF_VS && b < OFF_VS + group_bytes) ||
+                (b >= OFF_VB && b < OFF_VB + group_bytes);
+            if (!in_field) own[b] = 0;
+        }
+    } else {
+        group_words = (second ? v_wq : wq) + group * WORDS;
+        group_scale = (second ? v_scales : scales) + group;
+        group_bias = (second ? v_biases : biases) + group;
+    }
 
     float x[PER_LANE];
     load_lane<T>(source + (active ? group : 0) * GROUP + part * PER_LANE, x);
@@ -101,7 +132,6 @@ __device__ __forceinline__ void quantize_groups(
         code[k] = failure ? 0 : (unsigned int)fminf(fmaxf(q, 0.0f), n_bins);
     }
     // The group's stream (BITS-2): code i at bits [BITS i, BITS i + BITS), LSB first.
-    unsigned int* group_words = words + group * WORDS;
     if constexpr (BITS == 4 || BITS == 8) {
         // PER_LANE * BITS / 32 whole words of the thread's own codes.
         constexpr int OWN = PER_LANE * BITS / 32;
@@ -141,8 +171,8 @@ __device__ __forceinline__ void quantize_groups(
         T nan_value;
         const unsigned int nan_bits = NAN_BITS;
         memcpy(&nan_value, &nan_bits, sizeof(T));  // little-endian: the low bytes
-        group_scales[group] = failure ? nan_value : static_cast<T>(scale);
-        group_biases[group] = static_cast<T>(failure ? 0.0f : bias);
+        *group_scale = failure ? nan_value : static_cast<T>(scale);
+        *group_bias = static_cast<T>(failure ? 0.0f : bias);
         if (failure) atomicMax(&block_rank, failure);
     }
     __syncthreads();
