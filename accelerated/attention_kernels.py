@@ -399,96 +399,63 @@ def _fields(side: StoredSide) -> list[mx.array]:
     ]
 
 
+class StoredRecord(NamedTuple):
+    """Keys and values stored in one record per row (accelerated/records.py): `record`
+    uint8 [B, H, T, row_bytes] whose T rows a read covers (its buffer may hold more), in
+    `record_format`."""
+
+    record: mx.array
+    record_format: RecordFormat
+
+
+#: What a read attends over: the two stored sides, or the record holding both.
+Stored = tuple[StoredSide, StoredSide] | StoredRecord
+
+
+def stored_formats(
+    stored: Stored,
+) -> tuple[SideFormat | StoredSide, SideFormat | StoredSide, int, int]:
+    """The formats of keys and values as the kernels take them, the KV heads and the rows
+    read (the key codes' or the record's)."""
+    if isinstance(stored, StoredRecord):
+        _, Hk, T, _ = stored.record.shape
+        return stored.record_format.keys, stored.record_format.values, Hk, T
+    keys, values = stored
+    _, Hk, T, _ = keys.codes.shape
+    return keys, values, Hk, T
+
+
 def decode_attention(
     queries: mx.array,
-    keys: StoredSide,
-    values: StoredSide,
+    stored: Stored,
     scale: float,
     table: mx.array | None,
     signs: mx.array | None,
     out_dtype: mx.Dtype,
     rows: mx.array | None = None,
     tensor_cores: bool | None = None,
-    slot: tuple[mx.array, StoredSide, StoredSide] | None = None,
+    slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None = None,
 ) -> mx.array:
-    """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row, [B, Hq, 1, Dv]
-    in `out_dtype`. `table` is the value codebook and `signs` the sign vector of Dv for
-    TURBO_VALUE (the output is unrotated); None otherwise. `rows` (int32 [1]), when given,
-    limits the read to the first rows[0] rows as data (COMPILE-4): splits are planned for
-    the whole buffer, and a split past the count reads nothing. `tensor_cores` picks the
-    pass-1 body (None: tensor cores wherever `tensor_core_fit`). `slot` = (row, keys,
-    values), the compiled step's write slot (COMPILE-4): buffer row row[0] (int32 [1]) is
-    read from the new position's one-row sides instead of the buffers. Call only when
-    `supported`."""
-    slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1]), *_fields(slot[2])]
-    return _attend(
-        queries,
-        side_format(keys),
-        side_format(values),
-        keys.codes.shape[:3],
-        [*_fields(keys), *_fields(values)],
-        slot_inputs,
-        None,
-        scale,
-        table,
-        signs,
-        out_dtype,
-        rows,
-        tensor_cores,
-    )
-
-
-def decode_attention_record(
-    queries: mx.array,
-    record: mx.array,
-    record_format: RecordFormat,
-    scale: float,
-    table: mx.array | None,
-    signs: mx.array | None,
-    out_dtype: mx.Dtype,
-    rows: mx.array | None = None,
-    tensor_cores: bool | None = None,
-    slot: tuple[mx.array, mx.array] | None = None,
-) -> mx.array:
-    """`decode_attention` of keys and values stored in one record per row: `record` uint8
-    [B, H, T, row_bytes], the read covering its T rows, in `record_format`. `slot` = (row,
-    new record [B, H, 1, row_bytes]) as `decode_attention`'s."""
-    return _attend(
-        queries,
-        record_format.keys,
-        record_format.values,
-        record.shape[:3],
-        [record],
-        [] if slot is None else list(slot),
-        record_format.offsets,
-        scale,
-        table,
-        signs,
-        out_dtype,
-        rows,
-        tensor_cores,
-    )
-
-
-def _attend(
-    queries: mx.array,
-    keys: SideFormat,
-    values: SideFormat,
-    stored_shape: tuple[int, ...],
-    stored: list[mx.array],
-    slot: list[mx.array],
-    offsets: tuple[int, ...] | None,
-    scale: float,
-    table: mx.array | None,
-    signs: mx.array | None,
-    out_dtype: mx.Dtype,
-    rows: mx.array | None,
-    tensor_cores: bool | None,
-) -> mx.array:
-    """The two passes over `stored` (the fields of `keys` and `values`, or their record
-    with its `offsets`) of [B, Hk, T] rows, and the write `slot`'s inputs."""
+    """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row of `stored`
+    (the sides, the read covering the first T rows of the key codes; or a record, its T
+    rows), [B, Hq, 1, Dv] in `out_dtype`. `table` is the value codebook and `signs` the
+    sign vector of Dv for TURBO_VALUE (the output is unrotated); None otherwise. `rows`
+    (int32 [1]), when given, limits the read to the first rows[0] rows as data
+    (COMPILE-4): splits are planned for the whole buffer, and a split past the count reads
+    nothing. `tensor_cores` picks the pass-1 body (None: tensor cores wherever
+    `tensor_core_fit`). `slot` = (row, new), the compiled step's write slot (COMPILE-4):
+    buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
+    record row) instead of the buffers. Call only when `supported`."""
+    keys, values, Hk, T = stored_formats(stored)
+    if isinstance(stored, StoredRecord):
+        inputs = [stored.record]
+        offsets: tuple[int, ...] | None = stored.record_format.offsets
+        slot_inputs = [] if slot is None else [slot[0], slot[1]]
+    else:
+        inputs = [*_fields(stored[0]), *_fields(stored[1])]
+        keys, values, offsets = side_format(stored[0]), side_format(stored[1]), None
+        slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1][0]), *_fields(slot[1][1])]
     B, Hq, N, _ = queries.shape
-    _, Hk, T = stored_shape
     rotated = values.fmt == TURBO_VALUE
     if rotated and (table is None or signs is None):
         raise ValueError("TurboQuant values are read with their codebook and signs")
@@ -515,7 +482,7 @@ def _attend(
         plan.shared_bytes[tensor_cores],
         rows is not None,
         tensor_cores,
-        bool(slot),
+        slot is not None,
         keys.fmt,
         values.fmt,
         offsets,
@@ -523,10 +490,10 @@ def _attend(
     partial, stats = kernel(
         inputs=[
             queries,
-            *stored,
+            *inputs,
             *([table] if rotated else []),
             *([] if rows is None else [rows]),
-            *slot,
+            *slot_inputs,
         ],
         template=plan.partial_template,
         grid=(splits * threads, B * Hk, 1),

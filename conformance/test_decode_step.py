@@ -183,7 +183,7 @@ def _cuda_core_attend(read, queries, scale: float):
     tensor-core body would otherwise take."""
     from kvspec.accelerated import attention_kernels
 
-    keys, values, _, _ = read.formats()
+    keys, values, _, _ = attention_kernels.stored_formats(read.stored)
     assert attention_kernels.tensor_core_fit(keys, values)
     return read.attend(queries, scale, tensor_cores=False)
 
@@ -364,8 +364,7 @@ def test_tensor_core_fit_takes_the_head_dims_and_groups_it_was_tested_on(backend
     with pytest.raises(ValueError, match="tensor-core body does not take this read"):
         kernels.decode_attention(
             queries,
-            side(plain, 96, 0),
-            side(plain, 96, 0),
+            (side(plain, 96, 0), side(plain, 96, 0)),
             0.1,
             None,
             None,

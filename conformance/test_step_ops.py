@@ -30,6 +30,13 @@ BUDGETS = {
         1,
         {"Slice": 1},
     ),
+    "RotatingQuantizedKVCache 4-bit g64": (
+        lambda c: c.RotatingQuantizedKVCache(64, 64, 4, checks="deferred"),
+        3,
+        12,
+        6,
+        {"Slice": 1},
+    ),
     "TurboQuantKVCache k8v4": (
         lambda c: c.TurboQuantKVCache(8, 4, "dense", checks="deferred"),
         3,

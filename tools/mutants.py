@@ -327,6 +327,15 @@ CATALOGUE = (
         (f"{DECODE}::test_a_decode_append_writes_its_rows_at_a_static_start",),
     ),
     Mutant(
+        "mlx-affine-record-encodes-apart",
+        "accelerated/caches/quantized.py",
+        "        if not affine.record_encoder_takes(k, v):\n",
+        "        if True:\n",
+        "the MLX affine cache encodes its fields apart and packs them into its record: a "
+        "concatenation and five more arrays every step on CUDA (QKV-1)",
+        (f"{STEP_OPS}::test_a_decode_step_hands_mlx_its_budget_of_ops",),
+    ),
+    Mutant(
         "mlx-affine-round-half-away",
         "accelerated/affine.py",
         "    steps = mx.round((groups - bias[..., None]) / scale[..., None])\n",

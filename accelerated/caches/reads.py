@@ -15,7 +15,7 @@ from types import ModuleType
 import mlx.core as mx
 
 from kvspec.accelerated import attention_kernels, dtypes
-from kvspec.accelerated.attention_kernels import PLAIN, RecordFormat, SideFormat, StoredSide
+from kvspec.accelerated.attention_kernels import PLAIN, Stored, StoredSide
 from kvspec.accelerated.caches import masks
 from kvspec.accelerated.caches.attention import attention, check_queries
 from kvspec.accelerated.caches.protocol import Mask, Read
@@ -81,23 +81,11 @@ class SlotRead:
 class WriteSlot:
     """The new position of a compiled step as the decode-attention kernels take it
     (COMPILE-4): the buffer row it replaces (int32 [1]) and its stored fields as sides
-    of one row, or its record row (RecordRead). The kernels read that row from these
-    fields, the others from the buffers where they lie: no copy."""
+    of one row, or its record row. The kernels read that row from these, the others from
+    the buffers where they lie: no copy."""
 
     position: mx.array
-    keys: StoredSide | None
-    values: StoredSide | None
-    record: mx.array | None = None
-
-
-@dataclass(frozen=True)
-class StoredRecord:
-    """Keys and values stored in one record per row (accelerated/records.py): `record` uint8
-    [B, H, T, row_bytes] whose T rows a read covers (its buffer may hold more), in
-    `record_format`."""
-
-    record: mx.array
-    record_format: RecordFormat
+    new: tuple[StoredSide, StoredSide] | mx.array
 
 
 @dataclass(frozen=True)
@@ -108,8 +96,8 @@ class StoredRead:
     through `decoded()`, READ-2's read of the same rows."""
 
     #: The stored sides (the key codes cut to the rows read), or the record that holds
-    #: both (StoredRecord).
-    stored: tuple[StoredSide, StoredSide] | StoredRecord
+    #: both (the record cut to them).
+    stored: Stored
     #: The format keys are read in (the layout's dtype; float32 for TurboQuant, TQC-2).
     read_dtype: mx.Dtype
     #: TurboQuant values: the codebook and the sign vector that unrotates the output.
@@ -117,29 +105,17 @@ class StoredRead:
     signs: mx.array | None
     decoded: Callable[[], Read]
     #: The compiled step's live row count as data (int32 [1], COMPILE-4): the kernels read
-    #: the first rows[0] rows of whole buffers. None: every row of the key codes.
+    #: the first rows[0] rows of whole buffers. None: every row read.
     rows: mx.array | None = None
     #: The compiled step's new position, held apart from the buffers (COMPILE-4).
     slot: WriteSlot | None = None
-
-    def formats(self) -> tuple[SideFormat | StoredSide, SideFormat | StoredSide, int, int]:
-        """The formats of keys and values as the kernels take them, the KV heads and the
-        rows read."""
-        stored = self.stored
-        if isinstance(stored, StoredRecord):
-            _, Hk, T, _ = stored.record.shape
-            return stored.record_format.keys, stored.record_format.values, Hk, T
-        keys, values = stored
-        _, Hk, T, _ = keys.codes.shape
-        return keys, values, Hk, T
 
     def attend(self, queries: mx.array, scale: float, tensor_cores: bool | None = None) -> mx.array:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows. On the kernels'
         path, `tensor_cores` picks their pass-1 body (READ-7; None: tensor cores where they
         fit); elsewhere it is not used."""
         B, Hq, N, _ = queries.shape
-        stored = self.stored
-        keys, values, Hk, T = self.formats()
+        keys, values, Hk, T = attention_kernels.stored_formats(self.stored)
         if not (
             N == 1 and fused_kernels_enabled() and attention_kernels.supported(keys, values, Hk, Hq)
         ):
@@ -147,30 +123,16 @@ class StoredRead:
         check_queries(queries, (B, Hk, T, keys.dim), self.read_dtype)
         slot = self.slot
         # The kernels widen the queries themselves; the output is in the read's format.
-        if isinstance(stored, StoredRecord):
-            return attention_kernels.decode_attention_record(
-                queries,
-                stored.record,
-                stored.record_format,
-                scale,
-                self.codebook,
-                self.signs,
-                self.read_dtype,
-                self.rows,
-                tensor_cores=tensor_cores,
-                slot=None if slot is None else (slot.position, slot.record),
-            )
         return attention_kernels.decode_attention(
             queries,
-            keys,
-            values,
+            self.stored,
             scale,
             self.codebook,
             self.signs,
             self.read_dtype,
             self.rows,
             tensor_cores=tensor_cores,
-            slot=None if slot is None else (slot.position, slot.keys, slot.values),
+            slot=None if slot is None else (slot.position, slot.new),
         )
 
 
@@ -217,7 +179,7 @@ class ReadMethods(reads.ReadMethods):
 
     def _stored_rows(
         self, fields: Fields, rows: int | None
-    ) -> tuple[tuple[StoredSide, StoredSide] | StoredRecord, mx.array | None, mx.array | None]:
+    ) -> tuple[Stored, mx.array | None, mx.array | None]:
         """READ-7: the first `rows` rows of the stored fields (None: all of them) as the
         kernels read them, with the value codebook and signs (`_stored_sides`)."""
         keys, values, codebook, signs = self._stored_sides(fields)
@@ -246,7 +208,7 @@ class ReadMethods(reads.ReadMethods):
         """COMPILE-4: the new position's fields `new` as the kernels read them at buffer row
         position[0]."""
         new_keys, new_values, _, _ = self._stored_sides(new)
-        return WriteSlot(position, new_keys, new_values)
+        return WriteSlot(position, (new_keys, new_values))
 
     def _window_rows(self, plan: DecodePlan, length: int) -> int:
         """COMPILE-3 on MLX: on CUDA the kernels read the live rows of whole buffers, the

@@ -10,8 +10,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvspec.accelerated.attention_kernels import RecordFormat, side_format
-from kvspec.accelerated.caches.reads import StoredRecord, WriteSlot, written_rows
+from kvspec.accelerated.attention_kernels import RecordFormat, StoredRecord, side_format
+from kvspec.accelerated.caches.reads import WriteSlot, written_rows
 from kvspec.accelerated.records import RecordLayout, layout_of, packed, unpacked
 from kvspec.reference.caches.kv import STEP
 from kvspec.reference.caches.storage import Fields
@@ -121,7 +121,7 @@ class RecordStorage:
         """COMPILE-4: the new position's record row, as the kernels read it."""
         if not isinstance(new, RecordFields):
             return super()._write_slot(position, new)  # type: ignore[misc]
-        return WriteSlot(position, None, None, new.record)
+        return WriteSlot(position, new.record)
 
     def _stored_rows(self, fields: Fields, rows: int | None) -> tuple[Any, Any, Any]:
         """READ-7: the first `rows` rows of the record (None: all of them) as the kernels
