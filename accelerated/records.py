@@ -64,18 +64,14 @@ def layout_of(fields: Fields) -> RecordLayout:
 
 
 def packed(fields: Fields, layout: RecordLayout) -> mx.array:
-    """`fields` [B, H, T, *] as one uint8 record [B, H, T, row_bytes], gaps zero."""
-    lead = fields[0].shape[:3]
-    parts = []
-    end = 0
-    for offset, field in sorted(zip(layout.offsets, fields, strict=True), key=lambda p: p[0]):
-        if offset > end:
-            parts.append(mx.zeros((*lead, offset - end), mx.uint8))
-        raw = field.view(mx.uint8)
-        parts.append(raw)
-        end = offset + raw.shape[3]
-    if layout.row_bytes > end:
-        parts.append(mx.zeros((*lead, layout.row_bytes - end), mx.uint8))
+    """`fields` [B, H, T, *] as one uint8 record [B, H, T, row_bytes], the row's end zero."""
+    # Placed by decreasing alignment, fields leave no gap between them (record_layout):
+    # the row's end is the only one.
+    placed = sorted(zip(layout.offsets, fields, strict=True), key=lambda pair: pair[0])
+    parts = [field.view(mx.uint8) for _, field in placed]
+    padding = layout.row_bytes - placed[-1][0] - parts[-1].shape[3]
+    if padding > 0:
+        parts.append(mx.zeros((*fields[0].shape[:3], padding), mx.uint8))
     return mx.concatenate(parts, axis=3)
 
 

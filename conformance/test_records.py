@@ -59,7 +59,7 @@ def test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row(records
 
 @settings(deadline=None, max_examples=30)
 @given(fields=fields, rows=st.integers(1, 5), seed=st.integers(0, 2**16))
-def test_packed_rows_hold_each_field_at_its_offset_and_zeros_between(
+def test_packed_rows_hold_each_field_at_its_offset_and_zeros_after(
     backend: Backend, records, fields, rows, seed
 ) -> None:
     import mlx.core as mx

@@ -572,6 +572,17 @@ CATALOGUE = (
         (f"{RECORDS}::test_reads_of_one_record_layout_keep_their_own_formats",),
     ),
     Mutant(
+        "mlx-record-growth-keeps-rows-past-offset",
+        "accelerated/caches/records.py",
+        "        kept = self._record if prev % STEP == 0 else self._record[:, :, :prev]\n",
+        "        kept = self._record\n",
+        "a record's growth off a step boundary keeps the rows past the offset (CACHE-3)",
+        (
+            f"{KV}::test_quantized_kv_cache_machine",
+            f"{TQC}::test_turboquant_kv_cache_machine",
+        ),
+    ),
+    Mutant(
         "mlx-record-row-unpadded",
         "accelerated/records.py",
         "    row_bytes = -(-end // ROW_ALIGNMENT) * ROW_ALIGNMENT\n",
@@ -580,14 +591,14 @@ CATALOGUE = (
         (f"{RECORDS}::test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row",),
     ),
     Mutant(
-        "mlx-record-gaps-unset",
+        "mlx-record-padding-unset",
         "accelerated/records.py",
-        "            parts.append(mx.zeros((*lead, offset - end), mx.uint8))\n",
-        "            parts.append(mx.ones((*lead, offset - end), mx.uint8))\n",
-        "the bytes between a record's fields are not zero (TQC-1)",
+        "        parts.append(mx.zeros((*fields[0].shape[:3], padding), mx.uint8))\n",
+        "        parts.append(mx.ones((*fields[0].shape[:3], padding), mx.uint8))\n",
+        "the bytes past a record's last field are not zero (TQC-1)",
         (
-            f"{RECORDS}::test_packed_rows_hold_each_field_at_its_offset_and_zeros_between",
-            f"{RECORDS}::test_the_turboquant_cache_stores_the_reference_fields_in_one_record",
+            f"{RECORDS}::test_packed_rows_hold_each_field_at_its_offset_and_zeros_after",
+            f"{RECORDS}::test_a_cache_stores_the_reference_fields_in_one_record",
         ),
     ),
     Mutant(

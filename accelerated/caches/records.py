@@ -26,7 +26,8 @@ class RecordFields(Sequence):
         self.layout = layout
         self._views: Fields | None = None
 
-    def _fields(self) -> Fields:
+    def views(self) -> Fields:
+        """The fields, views of the record (made at the first call)."""
         if self._views is None:
             self._views = unpacked(self.record, self.layout)
         return self._views
@@ -35,10 +36,10 @@ class RecordFields(Sequence):
         return len(self.layout.dtypes)
 
     def __getitem__(self, index: Any) -> Any:
-        return self._fields()[index]
+        return self.views()[index]
 
     def __iter__(self) -> Iterator[mx.array]:
-        return iter(self._fields())
+        return iter(self.views())
 
 
 #: What the kernels read a record with, by storage type, signature and record layout
