@@ -3,11 +3,12 @@
 One query position attends over every stored position of a cache without decoding the
 window into memory first. Keys and values are read where they lie: the growable buffer
 up to the offset (a strided view, never copied), affine words with their scales and
-biases, TurboQuant codes with their scales and zero points. Each element is decoded in
-registers to exactly the operand the reference's attention sees (AFF-6's two roundings
-in the scales' format, TQ-5's `(code + zero) * scale`, TQ-8's `centroid * scale` in the
-rotated domain), so only the attention arithmetic itself departs from the reference,
-within READ-1's bound.
+biases, TurboQuant codes with their scales and zero points, apart or side by side in one
+record per row (accelerated/records.py; `record_pass` reads each field at its offset).
+Each element is decoded in registers to exactly the operand the reference's attention
+sees (AFF-6's two roundings in the scales' format, TQ-5's `(code + zero) * scale`, TQ-8's
+`centroid * scale` in the rotated domain), so only the attention arithmetic itself
+departs from the reference, within READ-1's bound.
 
 Pass 1 (split-K, as FlashDecoding): the positions are cut into splits; a block of
 WARPS warps takes one split of one KV head and serves every query head that reads that
