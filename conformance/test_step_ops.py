@@ -96,6 +96,7 @@ def cuda_path(backend: Backend, monkeypatch):
         attention_kernels._merge_kernel,
         affine_kernels._kernel,
         affine_kernels._pair_kernel,
+        affine_kernels._record_kernel,
         turboquant_kernels._kernel,
         turboquant_kernels._encode_kernel,
     ]
