@@ -101,10 +101,11 @@ def attention_bound(
     score_error = scale * magnitude * (2 * u + (D + 6) * roundoff)
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
     tau = smallest_subnormal(keys.dtype)
-    # Scores near float32's limit have an error bound past float64's: no bound (inf).
+    # Scores near float32's limit have an error bound past float64's, and values near it
+    # a bound that overflows with it: no bound (inf), as the formula says.
     with np.errstate(over="ignore"):
         softmax_error = np.expm1(2 * score_error)
-    bound = largest_value * (softmax_error + 4 * u + (T + 6) * roundoff) + tau
+        bound = largest_value * (softmax_error + 4 * u + (T + 6) * roundoff) + tau
     return bound.reshape(B, Hq, N, 1)
 
 
