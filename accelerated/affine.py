@@ -249,8 +249,8 @@ def quantize_deferred_pair(
 @cache
 def stored_layout(group_size: int, bits: int, head_dim: int, dtype: mx.Dtype) -> RecordLayout:
     """The record of one position's six affine fields of keys and values (QKV-1) of
-    `head_dim` and input `dtype`, in slot order (accelerated/records.py): what the CUDA
-    pair encoder writes and the MLX cache stores."""
+    `head_dim` and input `dtype`, its offsets in slot order (accelerated/records.py): what
+    the CUDA pair encoder writes and the MLX cache stores."""
     groups = head_dim // group_size
     side = [(mx.uint32, head_dim * bits // 32), (dtype, groups), (dtype, groups)]
     return record_layout(side * 2)

@@ -1,5 +1,5 @@
-"""Records: a row's fields side by side in one uint8 buffer, each at its offset, the gaps
-and the row's end zero. The MLX storages keep their fields in one record per cache
+"""Records: a row's fields side by side in one uint8 buffer, each at its offset, the row's
+end zero. The MLX storages keep their fields in one record per cache
 (accelerated/caches/records.py) and the CUDA encoders write one: on MLX's CUDA backend
 every array an op takes or makes costs the host time at every decode step
 (docs/performance.md). A record holds the fields' own bits; the stored format is theirs."""

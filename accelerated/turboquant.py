@@ -361,7 +361,7 @@ def _check_encode_layout(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> 
 
 @cache
 def stored_layout(k_bits: int, v_bits: int, head_dim: int) -> RecordLayout:
-    """The record of one position's five stored fields (TQ-10) side by side, in slot order
+    """The record of one position's five stored fields (TQ-10), its offsets in slot order
     (accelerated/records.py): what the CUDA encoder writes and the MLX cache stores."""
     groups = head_dim // BLOCK_SIZE
     return record_layout(

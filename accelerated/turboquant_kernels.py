@@ -129,8 +129,7 @@ def fused_encode(
     one_block = rows * D <= _ONE_BLOCK_THREADS
     per_block = rows if one_block else max(1, _BLOCK_THREADS // D)
     blocks = -(-rows // per_block)
-    names = ("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS")
-    offsets = dict(zip(names, layout.offsets, strict=True))
+    offsets = zip(("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS"), layout.offsets, strict=True)
     record, totals = _encode_kernel()(
         inputs=[k, v, boundaries, signs, prior],
         template=[
@@ -142,7 +141,7 @@ def fused_encode(
             ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
             ("CHECKS", len(DEFERRED_CHECKS)),
             ("ROW_BYTES", layout.row_bytes),
-            *offsets.items(),
+            *offsets,
         ],
         grid=(blocks * D, per_block, 1),
         threadgroup=(D, per_block, 1),

@@ -40,14 +40,14 @@ class TurboQuantKVCache(RecordStorage, GrowingStorage, reference.TurboQuantKVCac
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
         """DEFER-1 .. DEFER-3 with the running rank folded inside the encode (TQ-10); on
         CUDA the fields come as the one record the kernel writes."""
+        prior = running(self)
         if fused_kernels_enabled() and k.size > 0:
-            prior = running(self)
             record, failure = turboquant.encode_record_deferred(
                 k, v, self.k_bits, self.v_bits, prior
             )
             layout = turboquant.stored_layout(self.k_bits, self.v_bits, k.shape[-1])
             return RecordFields(record, layout), failure
-        t, failure = turboquant.encode_deferred(k, v, self.k_bits, self.v_bits, running(self))
+        t, failure = turboquant.encode_deferred(k, v, self.k_bits, self.v_bits, prior)
         return (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales), failure
 
     def _read_of(self, live: Fields) -> Read:

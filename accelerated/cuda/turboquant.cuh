@@ -76,7 +76,7 @@ __device__ __forceinline__ void decode_row(
 
 // TQ-3 .. TQ-10 in one pass: each block encodes R positions of a head, keys and values,
 // into one record per position (accelerated/records.py): ROW_BYTES bytes, the five fields at
-// byte offsets OFF_*, the gaps between and after them zero.
+// byte offsets OFF_*, the bytes outside them (the row's end) zero.
 template <typename T, typename KI, int D, int KBITS, int VBITS, int INV_SQRT_BITS, int CHECKS,
           int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
           typename Shape>
