@@ -432,8 +432,8 @@ CATALOGUE = (
     Mutant(
         "mlx-running-rank-forgotten",
         "accelerated/caches/turboquant.py",
-        "self.k_bits, self.v_bits, running(self))",
-        "self.k_bits, self.v_bits, None)",
+        "        prior = running(self)\n",
+        "        prior = None\n",
         "a TurboQuant cache forgets an earlier failure at its next append (DEFER-3)",
         (f"{DECODE}::test_a_failure_is_kept_past_later_good_appends",),
     ),
