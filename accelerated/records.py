@@ -77,8 +77,11 @@ def packed(fields: Fields, layout: RecordLayout) -> mx.array:
 
 def unpacked(record: mx.array, layout: RecordLayout) -> Fields:
     """The fields of `record` [B, H, T, row_bytes], each a view of it."""
-    fields = []
-    for name, width, offset in zip(layout.dtypes, layout.widths, layout.offsets, strict=True):
-        dtype = getattr(mx, name)
-        fields.append(record[..., offset : offset + width * dtype.size].view(dtype))
-    return tuple(fields)
+    return tuple(field_view(record, layout, i) for i in range(len(layout.dtypes)))
+
+
+def field_view(record: mx.array, layout: RecordLayout, index: int) -> mx.array:
+    """Field `index` of `record` [B, H, T, row_bytes], a view of it."""
+    dtype = getattr(mx, layout.dtypes[index])
+    offset = layout.offsets[index]
+    return record[..., offset : offset + layout.widths[index] * dtype.size].view(dtype)

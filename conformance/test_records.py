@@ -90,6 +90,10 @@ RECORD_KINDS = {
     "affine 8-bit g32": lambda m: m.QuantizedKVCache(32, 8, checks="deferred"),
     "affine 3-bit g128": lambda m: m.QuantizedKVCache(128, 3, checks="deferred"),
     "affine 2-bit g64": lambda m: m.QuantizedKVCache(64, 2, checks="deferred"),
+    "affine ring 4-bit g64": lambda m: m.RotatingQuantizedKVCache(64, 64, 4, checks="deferred"),
+    "affine ring 6-bit g32 keep 4": lambda m: m.RotatingQuantizedKVCache(
+        40, 32, 6, keep=4, checks="deferred"
+    ),
 }
 
 

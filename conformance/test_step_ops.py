@@ -33,8 +33,8 @@ BUDGETS = {
     "RotatingQuantizedKVCache 4-bit g64": (
         lambda c: c.RotatingQuantizedKVCache(64, 64, 4, checks="deferred"),
         3,
-        12,
-        6,
+        7,
+        1,
         {"Slice": 1},
     ),
     "TurboQuantKVCache k8v4": (

@@ -302,22 +302,6 @@ CATALOGUE = (
         (f"{STEP_OPS}::test_a_decode_step_hands_mlx_its_budget_of_ops",),
     ),
     Mutant(
-        "mlx-affine-encodes-apart",
-        "accelerated/caches/quantized.py",
-        "        *fields, failure = affine.quantize_deferred_pair(\n"
-        "            k, v, self.group_size, self.bits, running(self)\n"
-        "        )\n"
-        "        return tuple(fields), failure\n",
-        "        *keys, failure = affine.quantize_deferred(k, self.group_size, self.bits, "
-        "running(self))\n"
-        "        *values, failure = affine.quantize_deferred(v, self.group_size, self.bits, "
-        "failure)\n"
-        "        return (*keys, *values), failure\n",
-        "a deferred affine append encodes keys and values in two launches, one more per "
-        "layer and step on CUDA (the same bits)",
-        (f"{STEP_OPS}::test_a_decode_step_hands_mlx_its_budget_of_ops",),
-    ),
-    Mutant(
         "mlx-write-rows-array-start",
         "accelerated/caches/reads.py",
         "        field[:, :, start : start + part.shape[2]] = part\n",

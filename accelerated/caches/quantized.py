@@ -11,12 +11,12 @@ from kvspec.accelerated import affine
 from kvspec.accelerated.attention_kernels import AFFINE, StoredSide
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.accelerated.caches.reads import running
-from kvspec.accelerated.caches.records import RecordFields, RecordStorage
+from kvspec.accelerated.caches.records import GrowingRecordStorage, RecordFields
 from kvspec.reference.caches import quantized
 from kvspec.reference.caches.quantized import check_affine_parameters
 from kvspec.reference.caches.storage import Fields
 
-__all__ = ["AffineFields", "QuantizedKVCache", "check_affine_parameters"]
+__all__ = ["AffineFields", "AffineRecordFields", "QuantizedKVCache", "check_affine_parameters"]
 
 
 class AffineFields(quantized.AffineFields):
@@ -51,9 +51,8 @@ class AffineFields(quantized.AffineFields):
         return sides[0], sides[1], None, None
 
 
-class QuantizedKVCache(RecordStorage, AffineFields, GrowingStorage, quantized.QuantizedKVCache):
-    """Affine growable storage (QKV-1) on MLX, its six fields in one record per row
-    (TQC-1's records)."""
+class AffineRecordFields(AffineFields):
+    """AffineFields kept in one record per row (TQC-1's records, QKV-1)."""
 
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
         """AffineFields' encode; on CUDA the fields come as the one record the kernel
@@ -65,3 +64,9 @@ class QuantizedKVCache(RecordStorage, AffineFields, GrowingStorage, quantized.Qu
         record, failure = affine.quantize_record_deferred(k, v, self.group_size, self.bits, prior)
         layout = affine.stored_layout(self.group_size, self.bits, k.shape[-1], k.dtype)
         return RecordFields(record, layout), failure
+
+
+class QuantizedKVCache(
+    GrowingRecordStorage, AffineRecordFields, GrowingStorage, quantized.QuantizedKVCache
+):
+    """Affine growable storage (QKV-1) on MLX, its six fields in one record per row."""

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from kvspec.accelerated.attention_kernels import RecordFormat, StoredRecord, side_format
 from kvspec.accelerated.caches.reads import WriteSlot, written_rows
-from kvspec.accelerated.records import RecordLayout, layout_of, packed, unpacked
+from kvspec.accelerated.records import RecordLayout, field_view, layout_of, packed, unpacked
 from kvspec.reference.caches.kv import STEP
 from kvspec.reference.caches.storage import Fields
 
@@ -36,6 +36,9 @@ class RecordFields(Sequence):
         return len(self.layout.dtypes)
 
     def __getitem__(self, index: Any) -> Any:
+        if self._views is None and isinstance(index, int):
+            # One field's view alone (a ring asks fields[0] for its rows at every step).
+            return field_view(self.record, self.layout, index)
         return self.views()[index]
 
     def __iter__(self) -> Iterator[mx.array]:
@@ -95,17 +98,6 @@ class RecordStorage:
             rows = packed(parts, self._record_layout)
         (self._record,) = written_rows((self._record,), start, (rows,))
 
-    def _grown(self, new: Fields, prev: int, L: int) -> Fields:
-        """CACHE-3 step 1 (mlx-lm's rule, as the reference's `_grown`) on the record: whole
-        steps covering L, a record whose offset is off a step boundary first cut to it."""
-        layout = self._record_layout if self._record is not None else layout_of(new)
-        B, H = new[0].shape[:2]
-        room = mx.zeros((B, H, -(-L // STEP) * STEP, layout.row_bytes), mx.uint8)
-        if self._record is None:
-            return RecordFields(room, layout)
-        kept = self._record if prev % STEP == 0 else self._record[:, :, :prev]
-        return RecordFields(mx.concatenate([kept, room], axis=2), layout)
-
     def _step_arrays(self, fields: Fields) -> tuple[mx.array, ...]:
         """COMPILE-3, COMPILE-4: a compiled step takes and gives the record, not its views."""
         if isinstance(fields, RecordFields):
@@ -148,3 +140,27 @@ class RecordStorage:
         record_format, codebook, signs = found
         record = fields.record if rows is None else fields.record[:, :, :rows]
         return StoredRecord(record, record_format), codebook, signs
+
+
+class GrowingRecordStorage(RecordStorage):
+    """A growable storage (CACHE-3) in one record: growth adds rows to the record."""
+
+    def _grown(self, new: Fields, prev: int, L: int) -> Fields:
+        """CACHE-3 step 1 (mlx-lm's rule, as the reference's `_grown`) on the record: whole
+        steps covering L, a record whose offset is off a step boundary first cut to it."""
+        layout = self._record_layout if self._record is not None else layout_of(new)
+        B, H = new[0].shape[:2]
+        room = mx.zeros((B, H, -(-L // STEP) * STEP, layout.row_bytes), mx.uint8)
+        if self._record is None:
+            return RecordFields(room, layout)
+        kept = self._record if prev % STEP == 0 else self._record[:, :, :prev]
+        return RecordFields(mx.concatenate([kept, room], axis=2), layout)
+
+
+class RingRecordStorage(RecordStorage):
+    """A ring (RING-1) in one record."""
+
+    @property
+    def length(self) -> int:
+        """T: positions the buffers hold (RING-1)."""
+        return 0 if self._record is None else self._record.shape[2]

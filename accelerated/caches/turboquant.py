@@ -12,7 +12,7 @@ from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredS
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.accelerated.caches.reads import SlotRead, running
-from kvspec.accelerated.caches.records import RecordFields, RecordStorage
+from kvspec.accelerated.caches.records import GrowingRecordStorage, RecordFields
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import turboquant as reference
 from kvspec.reference.caches.protocol import Read
@@ -29,7 +29,7 @@ class DeferredRead(reference.DeferredRead):
     turboquant = turboquant
 
 
-class TurboQuantKVCache(RecordStorage, GrowingStorage, reference.TurboQuantKVCache):
+class TurboQuantKVCache(GrowingRecordStorage, GrowingStorage, reference.TurboQuantKVCache):
     """TurboQuant growable storage (TQC-1) on MLX."""
 
     turboquant: ModuleType = turboquant

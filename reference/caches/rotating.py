@@ -86,8 +86,8 @@ class RingStorage(FieldStorage):
         self._write_decoded(new, self._index)
 
     def _ring_room(self, new: Fields) -> tuple[Fields, int]:
-        """RING-2 steps 1 .. 3 for one position shaped as `new`: the buffers and the ring
-        index to write at (the cache itself unchanged)."""
+        """RING-2 steps 1 .. 3 for one position of the widths and dtypes of `new`: the
+        buffers and the ring index to write at (the cache itself unchanged)."""
         prev = self.offset
         fields, index = self._fields, self._index
         if fields is None or (prev >= self.length and self.length < self.max_size):
@@ -114,7 +114,8 @@ class RingStorage(FieldStorage):
         """COMPILE-2, RING-2 steps 1 .. 3: the step writes row i and reads rows
         0 .. min(offset + 1, T) - 1, in ring order (RING-4)."""
         assert self._fields is not None
-        fields, index = self._ring_room(tuple(field[:, :, :1] for field in self._fields))
+        # The fields stand for one new position: the room takes only their widths.
+        fields, index = self._ring_room(self._fields)
         return DecodeRoom(DecodePlan(index, min(self.offset + 1, fields[0].shape[2])), fields)
 
     def _write_decoded(self, new: Fields, position: int) -> None:
