@@ -469,7 +469,8 @@ def test_write_slot_holds_what_the_commit_stores(backend, factory, length) -> No
     count = slot.outputs - (1 if cache.deferred_checks else 0)
     buffers = [backend.to_numpy(field) for field in cache._step_fields(tuple(inputs[:count]))]
     new = [backend.to_numpy(field) for field in cache._step_fields(tuple(trace.outputs[:count]))]
-    stored = cache.commit_decode_step(slot, trace.outputs)
+    cache.commit_decode_step(slot, trace.outputs)
+    stored = cache.stored_fields()
     position, rows = plan.write_position, plan.active_length
     for i, field in enumerate(stored):
         field = backend.to_numpy(field)

@@ -215,15 +215,14 @@ class Bf16FirstCache(Cache[A]):
     def decode_inputs(self, plan: DecodePlan) -> tuple[A, ...]:
         return self.storage.decode_inputs(plan)
 
-    def commit_decode_step(self, slot: DecodeSlot, outputs: Sequence[A]) -> tuple[A, ...]:
+    def commit_decode_step(self, slot: DecodeSlot, outputs: Sequence[A]) -> None:
         """COMPILE-5 on the storage held, then the switch the append owes (B16F-2): plain
         storage's outputs are the new position's k and v, checked as convertible first
-        (B16F-3). Returns the fields held after the switch."""
+        (B16F-3)."""
         if self._plain is not None:
             self._check_convertible(*outputs)
         self.storage.commit_decode_step(slot, outputs)
         self._settle()
-        return self.storage.stored_fields()
 
     def max_append_tokens(self) -> float:
         """B16F-5: positions an append may add before the switch, start - offset; math.inf

@@ -161,11 +161,10 @@ class DecodeStepMethods:
         rank = (self._rank_input(),) if self.deferred_checks else ()
         return (*fields, position, length, *rank)
 
-    def commit_decode_step(self, slot: DecodeSlot, outputs: Sequence[Any]) -> tuple[Any, ...]:
+    def commit_decode_step(self, slot: DecodeSlot, outputs: Sequence[Any]) -> None:
         """COMPILE-5: adopt the room, write the step's new position where the plan says and
-        advance, as the one-position append would; return the stored fields (to evaluate
-        with the step). Eager checks raise the failure the step's encode ranked before
-        anything changes."""
+        advance, as the one-position append would. Eager checks raise the failure the step's
+        encode ranked before anything changes."""
         if len(outputs) != slot.outputs:
             raise ValueError(f"the step gives {slot.outputs} outputs, got {len(outputs)}")
         room = self._room_of(slot.plan)
@@ -183,7 +182,6 @@ class DecodeStepMethods:
         new = self._step_fields(new)
         self._adopt_room(room)
         self._write_decoded(new, slot.plan.write_position)
-        return self.stored_fields()
 
     def _windows(self, plan: DecodePlan) -> tuple[Any, ...]:
         """COMPILE-3: the first `_window_rows` rows of every buffer of the room `plan` was
