@@ -5,6 +5,7 @@ triage). Both paths store the same bits (spec TQ-14, READ-7)."""
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import mlx.core as mx
 
@@ -15,5 +16,11 @@ FUSED_KERNELS_ENV = "KVSPEC_FUSED_KERNELS"
 def fused_kernels_enabled() -> bool:
     """Whether the CUDA kernels run: a CUDA default device, and KVSPEC_FUSED_KERNELS is not
     "0"."""
-    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    on_cuda = mx.default_device() == mx.gpu and _cuda_available()
     return on_cuda and os.environ.get(FUSED_KERNELS_ENV, "1") != "0"
+
+
+@cache
+def _cuda_available() -> bool:
+    """Whether MLX has its CUDA backend here (fixed for the process; asked once)."""
+    return mx.cuda.is_available()

@@ -161,3 +161,23 @@ def test_a_decode_step_hands_mlx_its_budget_of_ops(backend: Backend, cuda_path, 
         if name not in ("SliceUpdate", "Full", "Broadcast")
     }
     assert ours == others, primitives
+
+
+def test_a_compiled_step_hands_mlx_one_position_and_length_for_all_layers(
+    backend: Backend,
+) -> None:
+    """COMPILE-3 on MLX: caches at one offset give the compiled graph the same write-position
+    and active-length arrays, so that a step over L layers makes and uploads them once."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's compiled step")
+    import mlx.core as mx
+
+    layers = [backend.module("caches").KVCache() for _ in range(3)]
+    kv = mx.zeros((1, 2, 5, 64), mx.bfloat16)
+    inputs = []
+    for cache in layers:
+        cache.append_window(kv, kv)
+        inputs.append(cache.decode_inputs(cache.prepare_decode_step()))
+    for position_and_length in zip(*(step_inputs[2:4] for step_inputs in inputs), strict=True):
+        assert all(array is position_and_length[0] for array in position_and_length)
+    assert [int(array.item()) for array in inputs[0][2:4]] == [5, 6]

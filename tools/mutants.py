@@ -311,6 +311,15 @@ CATALOGUE = (
         (f"{DECODE}::test_a_decode_append_writes_its_rows_at_a_static_start",),
     ),
     Mutant(
+        "mlx-step-scalars-per-layer",
+        "accelerated/caches/reads.py",
+        "        return int32_scalar(value)\n",
+        "        return mx.array(value, dtype=mx.int32)\n",
+        "the compiled step makes its write position and active length once per layer, as "
+        "arrays MLX hands the device one by one (COMPILE-3)",
+        (f"{STEP_OPS}::test_a_compiled_step_hands_mlx_one_position_and_length_for_all_layers",),
+    ),
+    Mutant(
         "mlx-affine-record-encodes-apart",
         "accelerated/caches/quantized.py",
         "        if not affine.record_encoder_takes(k, v):\n",

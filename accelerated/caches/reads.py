@@ -10,6 +10,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from types import ModuleType
 
 import mlx.core as mx
@@ -254,6 +255,13 @@ class ReadMethods(reads.ReadMethods):
             None,
         )
 
+    @staticmethod
+    def _int32_scalar(value: int) -> mx.array:
+        """COMPILE-3 on MLX: one array per value, shared by every cache of a step (arrays are
+        values), so that a step over many layers hands the device its write position and
+        active length once, not once per layer."""
+        return int32_scalar(value)
+
     def _rank_input(self) -> mx.array:
         """The running rank as the compiled step reads it (COMPILE-3): uint32 [1], zero
         before the first record."""
@@ -282,6 +290,12 @@ def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:
         field[:, :, start : start + part.shape[2]] = part
         written.append(field)
     return tuple(written)
+
+
+@lru_cache(maxsize=8)
+def int32_scalar(value: int) -> mx.array:
+    """`value` as an int32 scalar array, made once while it is among the last few asked for."""
+    return mx.array(value, dtype=mx.int32)
 
 
 def running(storage: ReadMethods) -> mx.array | None:

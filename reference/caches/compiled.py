@@ -156,8 +156,8 @@ class DecodeStepMethods:
         """COMPILE-3: the buffers' read windows, the write position and the active length as
         int32 scalars, and an encoding storage's running failure rank (DEFER-3)."""
         fields = self._windows(plan)
-        position = self.xp.array(plan.write_position, dtype=self.xp.int32)
-        length = self.xp.array(plan.active_length, dtype=self.xp.int32)
+        position = self._int32_scalar(plan.write_position)
+        length = self._int32_scalar(plan.active_length)
         rank = (self._rank_input(),) if self.deferred_checks else ()
         return (*fields, position, length, *rank)
 
@@ -219,6 +219,11 @@ class DecodeStepMethods:
     def _graph_parameters(self) -> Hashable:
         """What besides the buffers' shapes decides the step's graph: the signature."""
         return self.signature()
+
+    def _int32_scalar(self, value: int) -> Any:
+        """`value` as an int32 scalar array, as the graph reads the write position and the
+        active length."""
+        return self.xp.array(value, dtype=self.xp.int32)
 
     def _rank_input(self) -> Any:
         """The running failure rank as the graph reads it (DEFER-3)."""
