@@ -96,8 +96,7 @@ class StoredRead:
     else (no CUDA, a shape the kernels do not take, several query positions) it attends
     through `decoded()`, READ-2's read of the same rows."""
 
-    #: The stored sides (the key codes cut to the rows read), or the record that holds
-    #: both (the record cut to them).
+    #: The stored sides, or the record that holds both: whole buffers.
     stored: Stored
     #: The format keys are read in (the layout's dtype; float32 for TurboQuant, TQC-2).
     read_dtype: mx.Dtype
@@ -105,8 +104,8 @@ class StoredRead:
     codebook: mx.array | None
     signs: mx.array | None
     decoded: Callable[[], Read]
-    #: The compiled step's live row count as data (int32 [1], COMPILE-4): the kernels read
-    #: the first rows[0] rows of whole buffers. None: every row read.
+    #: The live row count as data (int32 [1]; COMPILE-4 in the compiled step): the kernels
+    #: read the first rows[0] rows of the buffers. None: every row read.
     rows: mx.array | None = None
     #: The compiled step's new position, held apart from the buffers (COMPILE-4).
     slot: WriteSlot | None = None
@@ -166,8 +165,9 @@ class ReadMethods(reads.ReadMethods):
         self._append(k, v)
         assert self._fields is not None and self.layout is not None
         # The buffers as they are now (a later write rebinds the fields, never changes
-        # these), whole: only the key codes are cut to the live rows, which tells the
-        # kernels how many there are. No op but that one slice.
+        # these), whole, and the live row count as data: no op at all. (A slice of the
+        # buffers would be one more op per layer; the count is one array for every layer
+        # at this offset.)
         fields = self._fields
         rows = self._live_rows()
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
@@ -175,17 +175,13 @@ class ReadMethods(reads.ReadMethods):
         def decoded() -> Read:
             return self._read_of(tuple(field[:, :, :rows] for field in fields))
 
-        stored, codebook, signs = self._stored_rows(fields, rows)
-        return StoredRead(stored, read_dtype, codebook, signs, decoded)
+        stored, codebook, signs = self._stored_rows(fields)
+        return StoredRead(stored, read_dtype, codebook, signs, decoded, row_count(rows))
 
-    def _stored_rows(
-        self, fields: Fields, rows: int | None
-    ) -> tuple[Stored, mx.array | None, mx.array | None]:
-        """READ-7: the first `rows` rows of the stored fields (None: all of them) as the
-        kernels read them, with the value codebook and signs (`_stored_sides`)."""
+    def _stored_rows(self, fields: Fields) -> tuple[Stored, mx.array | None, mx.array | None]:
+        """READ-7: the stored fields as the kernels read them, with the value codebook and
+        signs (`_stored_sides`)."""
         keys, values, codebook, signs = self._stored_sides(fields)
-        if rows is not None:
-            keys = keys._replace(codes=keys.codes[:, :, :rows])
         return (keys, values), codebook, signs
 
     def _slot_read(
@@ -199,7 +195,7 @@ class ReadMethods(reads.ReadMethods):
         if not fused_kernels_enabled():
             return portable
         assert self.layout is not None
-        stored, codebook, signs = self._stored_rows(fields, None)
+        stored, codebook, signs = self._stored_rows(fields)
         slot = self._write_slot(position.reshape(1), new)
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
         rows = active_length.reshape(1)
@@ -296,6 +292,13 @@ def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:
 def int32_scalar(value: int) -> mx.array:
     """`value` as an int32 scalar array, made once while it is among the last few asked for."""
     return mx.array(value, dtype=mx.int32)
+
+
+@lru_cache(maxsize=8)
+def row_count(rows: int) -> mx.array:
+    """A read's live row count as the kernels take it (int32 [1]), made once while it is
+    among the last few asked for: the caches of one step share it."""
+    return mx.array([rows], dtype=mx.int32)
 
 
 def running(storage: ReadMethods) -> mx.array | None:

@@ -116,11 +116,11 @@ class RecordStorage:
             return super()._write_slot(position, new)  # type: ignore[misc]
         return WriteSlot(position, new.record)
 
-    def _stored_rows(self, fields: Fields, rows: int | None) -> tuple[Any, Any, Any]:
-        """READ-7: the first `rows` rows of the record (None: all of them) as the kernels
-        read them (one input), with the value codebook and signs."""
+    def _stored_rows(self, fields: Fields) -> tuple[Any, Any, Any]:
+        """READ-7: the record as the kernels read it (one input), with the value codebook
+        and signs."""
         if not isinstance(fields, RecordFields):
-            return super()._stored_rows(fields, rows)  # type: ignore[misc]
+            return super()._stored_rows(fields)  # type: ignore[misc]
         signature = self.signature()  # type: ignore[attr-defined]
         key = (type(self), signature, fields.layout)
         found = _READ_FORMATS.get(key)
@@ -138,8 +138,7 @@ class RecordStorage:
             found = (RecordFormat(side_format(keys), side_format(values), offsets), codebook, signs)
             _READ_FORMATS[key] = found
         record_format, codebook, signs = found
-        record = fields.record if rows is None else fields.record[:, :, :rows]
-        return StoredRecord(record, record_format), codebook, signs
+        return StoredRecord(fields.record, record_format), codebook, signs
 
 
 class GrowingRecordStorage(RecordStorage):
