@@ -181,3 +181,21 @@ def test_a_compiled_step_hands_mlx_one_position_and_length_for_all_layers(
     for position_and_length in zip(*(step_inputs[2:4] for step_inputs in inputs), strict=True):
         assert all(array is position_and_length[0] for array in position_and_length)
     assert [int(array.item()) for array in inputs[0][2:4]] == [5, 6]
+
+
+def test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers(backend: Backend) -> None:
+    """READ-7 on MLX: the decode reads of caches at one offset give the kernels the same
+    live-row-count array (the buffers whole, no slice), made once for all layers."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's decode read")
+    import mlx.core as mx
+
+    layers = [backend.module("caches").TurboQuantKVCache(8, 4, checks="deferred") for _ in range(3)]
+    kv = mx.zeros((1, 2, 5, 64), mx.bfloat16)
+    one = mx.zeros((1, 2, 1, 64), mx.bfloat16)
+    reads = []
+    for cache in layers:
+        cache.append_window(kv, kv)
+        reads.append(cache.append_decode(one, one))
+    assert all(read.rows is reads[0].rows for read in reads)
+    assert reads[0].rows.tolist() == [6]

@@ -320,6 +320,16 @@ CATALOGUE = (
         (f"{STEP_OPS}::test_a_compiled_step_hands_mlx_one_position_and_length_for_all_layers",),
     ),
     Mutant(
+        "mlx-read-row-count-per-layer",
+        "accelerated/caches/reads.py",
+        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, row_count(rows))\n",
+        "        count = mx.array([rows], dtype=mx.int32)\n"
+        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, count)\n",
+        "an eager decode read makes its live row count once per layer, an array MLX hands the "
+        "device for each (READ-7)",
+        (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
+    ),
+    Mutant(
         "mlx-affine-record-encodes-apart",
         "accelerated/caches/quantized.py",
         "        if not affine.record_encoder_takes(k, v):\n",
