@@ -322,9 +322,8 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, row_count(rows))\n",
-        "        count = mx.array([rows], dtype=mx.int32)\n"
-        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, count)\n",
+        "decoded, row_count(rows))\n",
+        "decoded, mx.array([rows], dtype=mx.int32))\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
         (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
