@@ -322,8 +322,10 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "decoded, row_count(rows))\n",
-        "decoded, mx.array([rows], dtype=mx.int32))\n",
+        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
+        "row_count(rows))\n",
+        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
+        "mx.array([rows], dtype=mx.int32))\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
         (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
