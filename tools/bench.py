@@ -69,8 +69,8 @@ KINDS: dict[str, Callable[[int], caches.Cache]] = {
 @dataclass
 class Row:
     """One measurement: per-layer microseconds (one call for encodes), and its ratio to bare
-    bf16 SDPA at the same context (compiled steps: to the eager step; encodes: copy time /
-    encode time); bytes per token of
+    bf16 SDPA at the same context, timed taking turns with it (compiled steps: to the eager
+    step; encodes: copy time / encode time); bytes per token of
     the kind; for reads, the byte floor (the kind's bytes at the plain-read bandwidth) over
     the read's device time (wall time less the host's graph building, `host_us`)."""
 
@@ -82,6 +82,9 @@ class Row:
     bytes_per_token: int = 0
     floor_fraction: float = 0.0
     host_us: float = 0.0
+    #: A kind's step and read rows: bare bf16 SDPA's time per layer in the same turns, the
+    #: ratio's denominator (a busy machine slows both alike).
+    bare_us: float = 0.0
     #: Compiled rows: the eager step's wall and host time in the same turns.
     eager_us: float = 0.0
     eager_host_us: float = 0.0
@@ -194,8 +197,9 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float) -
 
 def baseline_rows(
     context: int, layers: int, repeats: int, q: mx.array, kv: tuple[mx.array, mx.array]
-) -> list[Row]:
-    """Bare bf16 SDPA and mlx-lm's quantized attention over LAYERS buffers of their own."""
+) -> tuple[list[Row], Callable[[], list[mx.array]]]:
+    """Bare bf16 SDPA and mlx-lm's quantized attention over LAYERS buffers of their own; and
+    the bare SDPA's run, which each kind's step and read then take turns with."""
     scale = HEAD_DIM**-0.5
     buffers = [(kv[0] + 0, kv[1] + 0) for _ in range(layers)]
     quantized = [
@@ -212,10 +216,11 @@ def baseline_rows(
 
     bare = median_seconds(bare_run, repeats) / layers
     mlx_lm = median_seconds(mlx_lm_run, repeats) / layers
-    return [
+    rows = [
         Row("step", "bare bf16 SDPA (no append)", context, bare * 1e6, 1.0),
         Row("step", "mlx-lm quantized attention 4-bit g64", context, mlx_lm * 1e6, mlx_lm / bare),
     ]
+    return rows, bare_run
 
 
 def step_rows(
@@ -232,9 +237,9 @@ def step_rows(
     q = mx.random.normal((1, QUERY_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
     k1, v1 = random_kv(1)
     prefill_k, prefill_v = random_kv(context)
-    rows = []
+    rows: list[Row] = []
     if not compiled_only:
-        rows = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
+        rows, bare_run = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
 
     for name, factory in kinds.items():
         layer_caches = [factory(context + repeats + 8) for _ in range(layers)]
@@ -247,8 +252,9 @@ def step_rows(
 
         per_token = layer_caches[0].bytes_per_token()
         if not compiled_only:
-            bare = rows[0].us / 1e6
-            rows += eager_rows(name, context, layer_caches, eager_step, q, repeats, bandwidth, bare)
+            rows += eager_rows(
+                name, context, layer_caches, eager_step, q, repeats, bandwidth, bare_run
+            )
         (eager, eager_host, eager_cpu), (compiled, compiled_host, compiled_cpu) = taking_turns(
             [eager_step, compiled_step(layer_caches, k1, v1, q)],
             repeats,
@@ -281,52 +287,43 @@ def eager_rows(
     q: mx.array,
     repeats: int,
     bandwidth: float,
-    bare: float,
+    bare_run: Callable[[], list[mx.array]],
 ) -> list[Row]:
     """A kind's eager step over `layer_caches` (median of `repeats`) and, on the caches it
-    leaves, the read's attention alone against its byte floor; ratios to `bare` seconds."""
+    leaves, the read's attention alone against its byte floor; each taking turns with
+    `bare_run`, bare SDPA over as many layers, its ratio's denominator."""
     scale = HEAD_DIM**-0.5
     layers = len(layer_caches)
-    step, host = timed(eager_step, repeats)
-    step, host = step / layers, host / layers
     per_token = layer_caches[0].bytes_per_token()
     k1, v1 = random_kv(1)
-    reads = [c.append_decode(k1, v1) for c in layer_caches]
-    attend, attend_host = timed(lambda: [r.attend(q, scale) for r in reads], repeats)
-    attend, attend_host = attend / layers, attend_host / layers
-    floor = per_token * layer_caches[0].offset / bandwidth
-    # The kernels' share of the read: its wall time less building the graph on the host.
-    device = max(attend - attend_host, 1e-9)
-    rows = [
-        Row("step", name, context, step * 1e6, step / bare, per_token, host_us=host * 1e6),
-        Row(
-            "attend",
-            name,
+
+    def row(table: str, what: str, run: Callable[[], object], floored: bool) -> Row:
+        bare, measured = samples([bare_run, run], repeats)
+        wall, host = median(measured.times) / layers, median(measured.builds) / layers
+        # The kernels' share of a read: its wall time less building the graph on the host.
+        floor = per_token * layer_caches[0].offset / bandwidth / max(wall - host, 1e-9)
+        return Row(
+            table,
+            what,
             context,
-            attend * 1e6,
-            attend / bare,
+            wall * 1e6,
+            wall / (median(bare.times) / layers),
             per_token,
-            floor / device,
-            attend_host * 1e6,
-        ),
-    ]
+            floor if floored else 0.0,
+            host * 1e6,
+            bare_us=median(bare.times) / layers * 1e6,
+        )
+
+    rows = [row("step", name, eager_step, False)]
+    reads = [c.append_decode(k1, v1) for c in layer_caches]
+    rows.append(row("attend", name, lambda: [r.attend(q, scale) for r in reads], True))
     cores = [cuda_core_attend(read, q, scale) for read in reads]
     if all(cores):
-        core, core_host = timed(lambda: [attend_on_cores() for attend_on_cores in cores], repeats)
-        core, core_host = core / layers, core_host / layers
-        core_device = max(core - core_host, 1e-9)
-        rows.append(
-            Row(
-                "attend",
-                f"{name} on CUDA cores",
-                context,
-                core * 1e6,
-                core / bare,
-                per_token,
-                floor / core_device,
-                core_host * 1e6,
-            )
-        )
+
+        def attend_on_cores() -> list[mx.array]:
+            return [attend() for attend in cores if attend is not None]
+
+        rows.append(row("attend", f"{name} on CUDA cores", attend_on_cores, True))
     return rows
 
 
@@ -407,16 +404,23 @@ def print_rows(rows: list[Row]) -> None:
         if table == "encode":
             print("\nencode: one call over all positions  (ratio: copy time / encode time)")
         else:
-            print(f"\n{table}: per layer  (ratio: x bare bf16 SDPA; floor: byte floor / device)")
-        header = f"{'context':>7}  {'us':>8}  {'ratio':>6}  {'B/token':>7}  {'floor':>5}  host"
+            print(
+                f"\n{table}: per layer  (ratio: x bare bf16 SDPA, timed taking turns with it: "
+                "bare; floor: byte floor / device)"
+            )
+        header = (
+            f"{'context':>7}  {'us':>8}  {'ratio':>6}  {'B/token':>7}  {'floor':>5}  "
+            f"{'host':>5}  {'bare':>6}"
+        )
         print(f"{'':{width}}  {header}")
         for row in chosen:
             floor = f"{row.floor_fraction:5.2f}" if row.floor_fraction else ""
             per_token = str(row.bytes_per_token) if row.bytes_per_token else ""
             host = f"{row.host_us:5.1f}" if row.host_us else ""
+            bare = f"{row.bare_us:6.1f}" if row.bare_us else ""
             print(
                 f"{row.what:{width}}  {row.context:7d}  {row.us:8.1f}  {row.ratio:6.2f}  "
-                f"{per_token:>7}  {floor:>5}  {host}"
+                f"{per_token:>7}  {floor:>5}  {host:>5}  {bare:>6}"
             )
 
 

@@ -27,6 +27,11 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
         assert row["us"] > 0 and row["ratio"] > 0
     for row in reads:
         assert row["bytes_per_token"] > 0 and row["floor_fraction"] > 0
+    # A kind's step and read rows are timed taking turns with bare SDPA, their denominator.
+    for row in [*reads, *(row for row in rows if row["what"] in bench.KINDS)]:
+        if row["table"] in ("step", "attend"):
+            assert row["bare_us"] > 0
+            assert row["ratio"] == pytest.approx(row["us"] / row["bare_us"])
     assert {row["what"] for row in rows if row["table"] == "encode"} == {
         "turboquant encode_deferred k8v4",
         "affine quantize_deferred 4-bit g64 (k, v)",
