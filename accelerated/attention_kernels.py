@@ -203,11 +203,12 @@ def _partial_kernel(
     offsets: tuple[int, ...] | None,
 ) -> object:
     # The dynamic shared memory is fixed per kernel object: one per (G, DV, DK, body). The
-    # counted variant takes one more input, `rows` (int32 [1]): the compiled step's live
-    # row count (COMPILE-4); the slot variant the write slot's row (int32 [1]) and the new
-    # position's fields; the plain one neither. Each takes only the fields its formats
-    # store, or with `offsets` (RecordFormat) the record that holds them, whose offsets
-    # are in the source and so in the kernel's name (MLX keeps one build per name).
+    # counted variant takes one more input, `rows` (int32 [1]): the live row count of an
+    # eager read or of the compiled step (COMPILE-4); the slot variant the write slot's row
+    # (int32 [1]) and the new position's fields; the plain one neither. Each takes only the
+    # fields its formats store, or with `offsets` (RecordFormat) the record that holds
+    # them, whose offsets are in the source and so in the kernel's name (MLX keeps one
+    # build per name).
     name = "kvspec_decode_attention" + "".join(
         suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
     )

@@ -1,7 +1,8 @@
 """Records on MLX (accelerated/records.py): a row's fields side by side in one buffer, as the
-MLX TurboQuant cache stores them and the CUDA encoder writes them. The layout's rules, the
-round trip of packing, and the cache's record against the reference cache's fields laid
-out by a packer of this file's own (on CUDA, the bytes the encode kernel wrote)."""
+MLX TurboQuant and affine caches store them and the CUDA encoders write them. The layout's
+rules, the round trip of packing, and the cache's record against the reference cache's
+fields laid out by a packer of this file's own (on CUDA, the bytes the encode kernels
+wrote)."""
 
 from __future__ import annotations
 

@@ -209,11 +209,11 @@ def launch(kernel: object, inputs: list[mx.array], outputs: list[tuple]) -> list
 def step_rows(calls: int) -> list[tuple[str, float]]:
     """Host µs per layer of a TurboQuant k8v4 decode step's ops over 32 layers (4k rows),
     its kernels stood in by kernels of as many arrays that do no work: the fields stored
-    apart as today (encode of 5 inputs and 6 outputs, 5 slice writes, the key codes cut,
-    attention of 8 inputs and 2 outputs, merge of 3 and 1), and one record per row (encode
-    of 5 inputs and 2 outputs, 1 write, the record cut, attention of 3 inputs and 2
-    outputs, the same merge). What packing a row's fields into one buffer would save the
-    host, before it is built."""
+    apart, as before the records (encode of 5 inputs and 6 outputs, 5 slice writes, the key
+    codes cut, attention of 8 inputs and 2 outputs, merge of 3 and 1), and one record per
+    row (encode of 5 inputs and 2 outputs, 1 write, the record cut, attention of 3 inputs
+    and 2 outputs, the same merge): what packing a row's fields into one buffer saves the
+    host, as measured before the records were built."""
     rounds = max(2, calls // 100)
     widths = [(128, mx.int8), (4, mx.float16), (4, mx.float16), (64, mx.uint8), (4, mx.float16)]
     record = (216, mx.uint8)  # the same bytes in one row

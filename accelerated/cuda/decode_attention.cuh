@@ -369,7 +369,8 @@ __device__ __forceinline__ void partial_pass(
     const int kv_heads = k_codes_shape[1];
     const int b = bh / kv_heads;
     const int h = bh % kv_heads;
-    // The compiled step's variant reads the live row count from `rows` (COMPILE-4).
+    // The counted variant (eager reads, the compiled step: COMPILE-4) reads the live row
+    // count from `rows`.
     const int T = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
     const int q_heads = queries_shape[1];
 
