@@ -22,7 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from kvspec.accelerated.cuda_source import included
+from kvspec.accelerated.cuda_source import Constant, cuda_kernel, included
 from kvspec.accelerated.dtypes import dtype_name
 from kvspec.accelerated.records import RecordLayout
 from kvspec.reference.dtypes import QUIET_NAN_BITS
@@ -52,35 +52,49 @@ _RECORD_CALL = (
 )
 
 
+def _constants(dtype: mx.Dtype, group_size: int, bits: int) -> tuple[Constant, ...]:
+    return (
+        ("T", dtype),
+        ("GROUP", group_size),
+        ("BITS", bits),
+        ("NAN_BITS", QUIET_NAN_BITS[dtype_name(dtype)]),
+    )
+
+
 @cache
-def _kernel() -> object:
-    return mx.fast.cuda_kernel(
-        name="kvspec_affine_quantize",
+def _kernel(dtype: mx.Dtype, group_size: int, bits: int) -> object:
+    return cuda_kernel(
+        "kvspec_affine_quantize",
+        _ONE_TENSOR_CALL,
+        _constants(dtype, group_size, bits),
         input_names=["w", "prior"],
         output_names=["wq", "scales", "biases", "total"],
-        source=_ONE_TENSOR_CALL,
         header=_INCLUDE,
     )
 
 
 @cache
-def _pair_kernel() -> object:
-    return mx.fast.cuda_kernel(
-        name="kvspec_affine_quantize_pair",
+def _pair_kernel(dtype: mx.Dtype, group_size: int, bits: int) -> object:
+    return cuda_kernel(
+        "kvspec_affine_quantize_pair",
+        _PAIR_CALL,
+        _constants(dtype, group_size, bits),
         input_names=["w", "v", "prior"],
         output_names=["wq", "scales", "biases", "v_wq", "v_scales", "v_biases", "total"],
-        source=_PAIR_CALL,
         header=_INCLUDE,
     )
 
 
 @cache
-def _record_kernel() -> object:
-    return mx.fast.cuda_kernel(
-        name="kvspec_affine_quantize_record",
+def _record_kernel(dtype: mx.Dtype, group_size: int, bits: int, layout: RecordLayout) -> object:
+    names = ("OFF_KW", "OFF_KS", "OFF_KB", "OFF_VW", "OFF_VS", "OFF_VB")
+    offsets = zip(names, layout.offsets, strict=True)
+    return cuda_kernel(
+        "kvspec_affine_quantize_record",
+        _RECORD_CALL,
+        (*_constants(dtype, group_size, bits), ("ROW_BYTES", layout.row_bytes), *offsets),
         input_names=["w", "v", "prior"],
         output_names=["record", "total"],
-        source=_RECORD_CALL,
         header=_INCLUDE,
     )
 
@@ -97,7 +111,8 @@ def quantize_groups(
     """(wq, scales, biases, failure) of `w` [..., D]: failure (uint32 [1]) is the largest
     DEFER-2 rank of any group and of `prior` (uint32 [1]). One launch when the groups fit one
     block (a decode step's do); else the blocks' ranks are folded by one more op."""
-    wq, scales, biases, failure = _launch(_kernel(), (w,), group_size, bits, prior)
+    kernel = _kernel(w.dtype, group_size, bits)
+    wq, scales, biases, failure = _launch(kernel, (w,), group_size, bits, prior)
     return wq, scales, biases, failure
 
 
@@ -112,7 +127,7 @@ def quantize_pair_groups(
             f"keys and values of one launch share shape and dtype, got {tuple(k.shape)} "
             f"{k.dtype} and {tuple(v.shape)} {v.dtype}"
         )
-    return _launch(_pair_kernel(), (k, v), group_size, bits, prior)
+    return _launch(_pair_kernel(k.dtype, group_size, bits), (k, v), group_size, bits, prior)
 
 
 def quantize_pair_record(
@@ -126,15 +141,13 @@ def quantize_pair_record(
     """`quantize_pair_groups`' six fields as one record uint8 [B, H, L, row_bytes] of
     `layout` (accelerated/records.py), and the failure, in one launch. Keys and values
     share one [B, H, L, D] shape and dtype (the caller checks)."""
-    names = ("OFF_KW", "OFF_KS", "OFF_KB", "OFF_VW", "OFF_VS", "OFF_VB")
-    offsets = list(zip(names, layout.offsets, strict=True))
     record, failure = _launch(
-        _record_kernel(),
+        _record_kernel(k.dtype, group_size, bits, layout),
         (k, v),
         group_size,
         bits,
         prior,
-        ([("ROW_BYTES", layout.row_bytes), *offsets], [(*k.shape[:3], layout.row_bytes)]),
+        (*k.shape[:3], layout.row_bytes),
     )
     return record, failure
 
@@ -145,11 +158,11 @@ def _launch(
     group_size: int,
     bits: int,
     prior: mx.array | None,
-    record: tuple[list, list] | None = None,
+    record: tuple[int, ...] | None = None,
 ) -> tuple[mx.array, ...]:
-    """Every group of `tensors` (one shape and dtype) through `kernel`: each tensor's
-    (wq, scales, biases), then the failure; with `record` (its template arguments and
-    shape), the record, then the failure."""
+    """Every group of `tensors` (one shape and dtype) through `kernel` (built for their
+    dtype, group size and bits): each tensor's (wq, scales, biases), then the failure; with
+    `record` (its shape), the record, then the failure."""
     w = tensors[0]
     *lead, D = w.shape
     n_groups = len(tensors) * (w.size // group_size)
@@ -158,22 +171,14 @@ def _launch(
     block_threads = threads if threads <= _ONE_BLOCK_THREADS else _BLOCK_THREADS
     blocks = -(-threads // block_threads)
     if record is None:
-        extra_template: list = []
         shapes = [(*lead, D * bits // 32), (*lead, D // group_size), (*lead, D // group_size)]
         shapes *= len(tensors)
         dtypes = [mx.uint32, w.dtype, w.dtype] * len(tensors)
     else:
-        extra_template, shapes = record
+        shapes = [record]
         dtypes = [mx.uint8]
     *fields, totals = kernel(
         inputs=[*tensors, no_failure() if prior is None else prior],
-        template=[
-            ("T", w.dtype),
-            ("GROUP", group_size),
-            ("BITS", bits),
-            ("NAN_BITS", QUIET_NAN_BITS[dtype_name(w.dtype)]),
-            *extra_template,
-        ],
         grid=(threads, 1, 1),
         threadgroup=(block_threads, 1, 1),
         output_shapes=[*shapes, (blocks,)],

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from kvspec.accelerated.cuda_source import included
+from kvspec.accelerated.cuda_source import Constant, cuda_kernel, included
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 #: Storage formats of one side (keys or values) of a cache.
@@ -194,7 +194,7 @@ def _partial_call(
 
 @cache
 def _partial_kernel(
-    shared_bytes: int,
+    plan: _Plan,
     counted: bool,
     mma: bool,
     slot: bool,
@@ -202,13 +202,13 @@ def _partial_kernel(
     value_fmt: int,
     offsets: tuple[int, ...] | None,
 ) -> object:
-    # The dynamic shared memory is fixed per kernel object: one per (G, DV, DK, body). The
-    # counted variant takes one more input, `rows` (int32 [1]): the live row count of an
-    # eager read or of the compiled step (COMPILE-4); the slot variant the write slot's row
-    # (int32 [1]) and the new position's fields; the plain one neither. Each takes only the
-    # fields its formats store, or with `offsets` (RecordFormat) the record that holds
-    # them, whose offsets are in the source and so in the kernel's name (MLX keeps one
-    # build per name).
+    # One kernel object per plan (its constants and the dynamic shared memory of each
+    # body) and variant. The counted variant takes one more input, `rows` (int32 [1]): the
+    # live row count of an eager read or of the compiled step (COMPILE-4); the slot variant
+    # the write slot's row (int32 [1]) and the new position's fields; the plain one
+    # neither. Each takes only the fields its formats store, or with `offsets`
+    # (RecordFormat) the record that holds them, whose offsets are in the source and so in
+    # the kernel's name (MLX keeps one build per name).
     name = "kvspec_decode_attention" + "".join(
         suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
     )
@@ -216,26 +216,26 @@ def _partial_kernel(
     inputs = _pass_inputs(key_fmt, value_fmt, counted, slot, offsets is not None)
     if offsets is not None:
         name += "_record_" + "_".join(str(offset) for offset in offsets)
-    return mx.fast.cuda_kernel(
-        name=name,
+    return cuda_kernel(
+        name,
+        _partial_call(mma, counted, slot, inputs, _record_offsets(key_fmt, value_fmt, offsets)),
+        plan.partial_constants,
         input_names=inputs,
         output_names=["partial", "stats"],
-        source=_partial_call(
-            mma, counted, slot, inputs, _record_offsets(key_fmt, value_fmt, offsets)
-        ),
         header=_INCLUDE,
         ensure_row_contiguous=False,
-        shared_memory=shared_bytes,
+        shared_memory=plan.shared_bytes[mma],
     )
 
 
 @cache
-def _merge_kernel(rotated: bool) -> object:
-    return mx.fast.cuda_kernel(
-        name="kvspec_decode_merge" + ("_rotated" if rotated else ""),
+def _merge_kernel(plan: _Plan, rotated: bool) -> object:
+    return cuda_kernel(
+        "kvspec_decode_merge" + ("_rotated" if rotated else ""),
+        _merge_call(rotated),
+        plan.merge_constants,
         input_names=["partial", "stats", *(["signs"] if rotated else [])],
         output_names=["out"],
-        source=_merge_call(rotated),
         header=_INCLUDE,
     )
 
@@ -334,13 +334,14 @@ def _float_bits(x: float) -> int:
     return int(np.array(x, np.float32).view(np.int32))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Plan:
-    """What one read configuration launches with; built once per configuration, so a decode
-    step spends no host time on it."""
+    """What one read configuration launches with; built once per configuration (`_plan`),
+    so a decode step spends no host time on it, and its kernels are looked up by identity."""
 
-    partial_template: list
-    merge_template: list
+    #: The template constants of pass 1 and of the merge (cuda_source.cuda_kernel).
+    partial_constants: tuple[Constant, ...]
+    merge_constants: tuple[Constant, ...]
     #: Dynamic shared memory of pass 1 by body: the warps' merge; on tensor cores also the
     #: query fragment (16 bytes per lane per 8 key elements), past the merge's 16-byte end.
     shared_bytes: dict[bool, int]
@@ -386,7 +387,7 @@ def _plan(
         ("INV_SQRT_BITS", INV_SQRT_BITS.get(DV, 0)),
     ]
     merged = -(-(WARPS * group * DV + 2 * WARPS * group) // 4) * 16
-    return _Plan(partial, merge, {False: merged, True: merged + DK // 8 * 32 * 16})
+    return _Plan(tuple(partial), tuple(merge), {False: merged, True: merged + DK // 8 * 32 * 16})
 
 
 def _fields(side: StoredSide) -> list[mx.array]:
@@ -481,13 +482,7 @@ def decode_attention(
             f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
         )
     kernel = _partial_kernel(
-        plan.shared_bytes[tensor_cores],
-        rows is not None,
-        tensor_cores,
-        slot is not None,
-        keys.fmt,
-        values.fmt,
-        offsets,
+        plan, rows is not None, tensor_cores, slot is not None, keys.fmt, values.fmt, offsets
     )
     partial, stats = kernel(
         inputs=[
@@ -497,15 +492,13 @@ def decode_attention(
             *([] if rows is None else [rows]),
             *slot_inputs,
         ],
-        template=plan.partial_template,
         grid=(splits * threads, B * Hk, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B * Hq, splits, DV), (B * Hq, splits, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    (out,) = _merge_kernel(rotated)(
+    (out,) = _merge_kernel(plan, rotated)(
         inputs=[partial, stats, *([signs] if rotated else [])],
-        template=plan.merge_template,
         grid=(B * Hq * DV, 1, 1),
         threadgroup=(DV, 1, 1),
         output_shapes=[(B, Hq, N, DV)],

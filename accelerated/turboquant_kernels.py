@@ -23,7 +23,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from kvspec.accelerated.cuda_source import included
+from kvspec.accelerated.cuda_source import cuda_kernel, included
 from kvspec.accelerated.records import RecordLayout
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
@@ -46,12 +46,20 @@ _ENCODE_CALL = (
 
 
 @cache
-def _kernel() -> object:
-    return mx.fast.cuda_kernel(
-        name="kvspec_turboquant_decode",
+def _kernel(head_dim: int, k_bits: int, v_bits: int, defer_v: bool) -> object:
+    constants = (
+        ("D", head_dim),
+        ("KBITS", k_bits),
+        ("VBITS", v_bits),
+        ("DEFER", defer_v),
+        ("INV_SQRT_BITS", INV_SQRT_BITS[head_dim]),
+    )
+    return cuda_kernel(
+        "kvspec_turboquant_decode",
+        _DECODE_CALL,
+        constants,
         input_names=["k_idx", "k_scales", "k_zeros", "v_packed", "v_scales", "centroids", "signs"],
         output_names=["keys", "values"],
-        source=_DECODE_CALL,
         header=_INCLUDE,
     )
 
@@ -79,15 +87,8 @@ def fused_decode(
     rows = B * H * L
     if rows == 0:
         return mx.zeros(shape, mx.float32), mx.zeros(shape, mx.float32)
-    keys, values = _kernel()(
+    keys, values = _kernel(head_dim, k_bits, v_bits, defer_v)(
         inputs=[k_idx, k_scales, k_zeros, v_packed, v_scales, centroids, signs],
-        template=[
-            ("D", head_dim),
-            ("KBITS", k_bits),
-            ("VBITS", v_bits),
-            ("DEFER", defer_v),
-            ("INV_SQRT_BITS", INV_SQRT_BITS[head_dim]),
-        ],
         grid=(rows * head_dim, 1, 1),
         threadgroup=(head_dim, 1, 1),
         output_shapes=[shape, shape],
@@ -97,12 +98,27 @@ def fused_decode(
 
 
 @cache
-def _encode_kernel() -> object:
-    return mx.fast.cuda_kernel(
-        name="kvspec_turboquant_encode",
+def _encode_kernel(
+    dtype: mx.Dtype, D: int, k_bits: int, v_bits: int, layout: RecordLayout
+) -> object:
+    offsets = zip(("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS"), layout.offsets, strict=True)
+    constants = (
+        ("T", dtype),  # names the instance: NVRTC compiles one per input dtype
+        ("KI", mx.int8 if k_bits == 8 else mx.uint8),
+        ("D", D),
+        ("KBITS", k_bits),
+        ("VBITS", v_bits),
+        ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
+        ("CHECKS", len(DEFERRED_CHECKS)),
+        ("ROW_BYTES", layout.row_bytes),
+        *offsets,
+    )
+    return cuda_kernel(
+        "kvspec_turboquant_encode",
+        _ENCODE_CALL,
+        constants,
         input_names=["k", "v", "boundaries", "signs", "prior"],
         output_names=["record", "total"],
-        source=_ENCODE_CALL,
         header=_INCLUDE,
     )
 
@@ -129,20 +145,8 @@ def fused_encode(
     one_block = rows * D <= _ONE_BLOCK_THREADS
     per_block = rows if one_block else max(1, _BLOCK_THREADS // D)
     blocks = -(-rows // per_block)
-    offsets = zip(("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS"), layout.offsets, strict=True)
-    record, totals = _encode_kernel()(
+    record, totals = _encode_kernel(k.dtype, D, k_bits, v_bits, layout)(
         inputs=[k, v, boundaries, signs, prior],
-        template=[
-            ("T", k.dtype),  # names the instance: NVRTC compiles one per input dtype
-            ("KI", mx.int8 if k_bits == 8 else mx.uint8),
-            ("D", D),
-            ("KBITS", k_bits),
-            ("VBITS", v_bits),
-            ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
-            ("CHECKS", len(DEFERRED_CHECKS)),
-            ("ROW_BYTES", layout.row_bytes),
-            *offsets,
-        ],
         grid=(blocks * D, per_block, 1),
         threadgroup=(D, per_block, 1),
         output_shapes=[(B, H, L, layout.row_bytes), (blocks,)],
