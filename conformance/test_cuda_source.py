@@ -129,3 +129,29 @@ def test_an_included_file_is_named_by_its_path_and_its_contents(
             cuda_source.included("missing.cuh")
     finally:
         cuda_source.included.cache_clear()
+
+
+def test_a_kernels_constants_are_written_as_mlx_writes_template_arguments(
+    backend: Backend, monkeypatch
+) -> None:
+    """`cuda_kernel` declares each constant at the top of the kernel's source and appends its
+    value to the kernel's name, as MLX does with template arguments (custom_kernel.cpp), so
+    that a call passes none and each set of constants names its own build."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's CUDA sources")
+    import mlx.core as mx
+
+    from kvspec.accelerated import cuda_source
+
+    made = {}
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **options: made.update(options))
+    constants = (("T", mx.bfloat16), ("D", 128), ("OFF", -1), ("ROTATED", True), ("F", False))
+    cuda_source.cuda_kernel("k", "call();", constants, input_names=["x"], header="// h\n")
+    assert made["name"] == "k_bfloat16_t_128_n1_t_f"
+    assert made["source"] == (
+        "  using T = __nv_bfloat16;\n  constexpr int D = 128;\n  constexpr int OFF = -1;\n"
+        "  constexpr bool ROTATED = true;\n  constexpr bool F = false;\n\ncall();"
+    )
+    assert made["input_names"] == ["x"] and made["header"] == "// h\n"
+    cuda_source.cuda_kernel("k", "call();", (), input_names=["x"])
+    assert made["name"] == "k" and made["source"] == "call();"

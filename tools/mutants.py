@@ -59,6 +59,7 @@ MASKS = "conformance/test_masks.py"
 CONVERSIONS = "conformance/test_conversions.py"
 DECODE = "conformance/test_decode_step.py"
 STEP_OPS = "conformance/test_step_ops.py"
+CUDA_SOURCE = "conformance/test_cuda_source.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
 RECORDS = "conformance/test_records.py"
@@ -329,6 +330,15 @@ CATALOGUE = (
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
         (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
+    ),
+    Mutant(
+        "mlx-kernel-constants-unnamed",
+        "accelerated/cuda_source.py",
+        '    return mx.fast.cuda_kernel(name=name + "".join(suffix), source=body, **options)\n',
+        "    return mx.fast.cuda_kernel(name=name, source=body, **options)\n",
+        "a kernel's constants are written into its source but not its name: kernels of other "
+        "constants share one name, and MLX keeps one build per name",
+        (f"{CUDA_SOURCE}::test_a_kernels_constants_are_written_as_mlx_writes_template_arguments",),
     ),
     Mutant(
         "mlx-affine-record-encodes-apart",
