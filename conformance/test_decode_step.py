@@ -242,6 +242,35 @@ def test_decode_read_of_stored_fields_is_within_bound(
 
 
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))
+@pytest.mark.parametrize("body", ["default", "cuda-cores"])
+def test_a_decode_read_of_one_row_returns_its_values_as_decoded(
+    backend: Backend, kind: str, body: str
+) -> None:
+    """READ-7 decodes each stored element to exactly the operand the reference's read
+    holds. Over one row the softmax weight is exactly 1, so the attention's output is that
+    row's values as decoded, bit for bit, whichever order the kernels sum in: a decode
+    rounded differently (a product and a sum fused into one rounding) shows here, where
+    the bound of `test_decode_read_of_stored_fields_is_within_bound` would hide it."""
+    if body == "cuda-cores" and not _kernels_on_cuda(backend):
+        pytest.skip("the CUDA-core body of the decode-attention kernels runs on CUDA only")
+    head_dim = 256 if kind.endswith("head256") else 128
+    dtype = "float16" if kind == "kv" or kind.endswith("float16") else "bfloat16"
+    rng = np.random.default_rng(7)
+    k = _normal(rng, (1, 2, 1, head_dim), dtype)
+    v = _normal(rng, (1, 2, 1, head_dim), dtype)
+    queries = _normal(rng, (1, 8, 1, head_dim), dtype)
+    want = _reference_read(READ_KINDS[kind](caches), k, v)
+    got = READ_KINDS[kind](backend.module("caches")).append_decode(
+        backend.from_numpy(k), backend.from_numpy(v)
+    )
+    scale = head_dim**-0.5
+    expected = want.attend(queries, scale)
+    attend = got.attend if body == "default" else partial(_cuda_core_attend, got)
+    actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
+    assert_same_bits(actual.astype(expected.dtype), expected, kind)
+
+
+@pytest.mark.parametrize("kind", sorted(READ_KINDS))
 def test_a_decode_append_writes_its_rows_at_a_static_start(backend: Backend, kind: str) -> None:
     """CACHE-3, RING-2 on MLX: the graph of a decode read writes the new row with static
     slice updates. An update whose start is an array (DynamicSliceUpdate) stores the same

@@ -7,6 +7,12 @@ namespace kvspec_attn {
 
 // What both bodies use: a lane's share of a row, loaded raw and decoded in registers.
 
+// A choice made at compile time, handed to a generic lambda (a body of two variants).
+template <bool B>
+struct Choice {
+    static constexpr bool value = B;
+};
+
 template <typename T>
 __device__ __forceinline__ float rounded(float x) {
     // x rounded to T and widened back (CONV-2): the read format's rounding.
@@ -147,6 +153,18 @@ struct LaneRow {
             }
         } else if constexpr (FMT == 1 && WORDS && PAIRED<S> && WHOLE_PAIRS) {
             decode_pairs(x);
+        } else if constexpr (FMT == 2 && BITS == 8 && WORDS) {
+            // TQ-5 for signed 8-bit codes in whole words, as below with one instruction to
+            // place a code: flipping each byte's sign bit (once a word) makes code + 128, and
+            // a byte permute sets it under the float32 bits of 2^23.
+            const float s = static_cast<float>(scale);
+            const float offset = 8388736.0f - static_cast<float>(bias);
+            #pragma unroll
+            for (int j = 0; j < E; ++j) {
+                const unsigned int biased =
+                    __byte_perm(w[j / 4] ^ 0x80808080u, 0x4B000000u, 0x7540u + j % 4);
+                x[j] = __fmul_rn(__fsub_rn(__uint_as_float(biased), offset), s);
+            }
         } else {
             const float s = static_cast<float>(scale);
             float z = 0.0f;
@@ -175,37 +193,57 @@ struct LaneRow {
 
     // AFF-6 two elements at a time in S (bfloat16 or float16 scales), for codes in whole
     // words: a word's elements i and i + N/2 (N per word) sit in its two 16-bit halves after
-    // a shift; OR-ing the S bits of M (a power of two whose spacing is 1) makes M + c, less
-    // M is c exactly (8-bit codes as 16 hi + lo from two nibbles). Then T(c * scale) and
-    // T(. + bias) in S, each rounded once: the float32 product is exact and the float32
-    // sum, rounded again to S, rounds as S would (24 >= 2 p + 2 bits, CONV-2).
+    // a shift; OR-ing the S bits of M (a power of two whose spacing is 1) makes M + c.
+    // Then T(c * scale) and T(. + bias) in S, each rounded once (each correctly rounded in
+    // S, as CONV-3 shows the reference's float32 steps are). Below 8 bits T(c * scale) is
+    // one FMA, T((M + c) scale - M scale), exact inside the FMA, wherever M scale is an S
+    // value (|scale| < LIMIT: no overflow; an S value times a power of two); elsewhere, and
+    // for 8-bit codes (16 hi + lo from two nibbles, exact), c then `__hmul2_rn`, which the
+    // compiler may not fuse with the sum into one rounding as it fuses `__hmul2`.
     __device__ __forceinline__ void decode_pairs(float (&x)[E]) const {
         using S2 = typename Paired<S>::type;
-        const S2 magic = bits_as<S2>(Paired<S>::MAGIC);
+        constexpr unsigned int MAGIC = Paired<S>::MAGIC;
+        constexpr float M = IS_BFLOAT16<S> ? 128.0f : 1024.0f;
+        constexpr float LIMIT = IS_BFLOAT16<S> ? 0x1p120f : 32.0f;
+        const S2 magic = bits_as<S2>(MAGIC);
         const S2 s2 = {scale, scale};
         const S2 b2 = {bias, bias};
         constexpr int PER_WORD = 32 / BITS;
-        #pragma unroll
-        for (int word = 0; word < NW; ++word) {
+        auto decode = [&](auto fused) {
+            constexpr bool FUSED = decltype(fused)::value;
+            const S2 minus_m_scale = __hmul2_rn(s2, S2{S(-M), S(-M)});
             #pragma unroll
-            for (int i = 0; i < PER_WORD / 2; ++i) {
-                constexpr unsigned int MAGIC = Paired<S>::MAGIC;
-                S2 code;
-                if constexpr (BITS == 8) {
-                    const unsigned int bits = w[word] >> (8 * i);
-                    const S2 lo = bits_as<S2>((bits & 0x000F000Fu) | MAGIC);
-                    const S2 hi = bits_as<S2>(((bits >> 4) & 0x000F000Fu) | MAGIC);
-                    const S2 sixteen = {S(16.0f), S(16.0f)};
-                    code = __hfma2(__hsub2(hi, magic), sixteen, __hsub2(lo, magic));
-                } else {
-                    constexpr unsigned int MASK = ((1u << BITS) - 1u) * 0x00010001u;
-                    code = __hsub2(bits_as<S2>(((w[word] >> (BITS * i)) & MASK) | MAGIC), magic);
+            for (int word = 0; word < NW; ++word) {
+                #pragma unroll
+                for (int i = 0; i < PER_WORD / 2; ++i) {
+                    S2 product;
+                    if constexpr (BITS == 8) {
+                        const unsigned int bits = w[word] >> (8 * i);
+                        const S2 lo = bits_as<S2>((bits & 0x000F000Fu) | MAGIC);
+                        const S2 hi = bits_as<S2>(((bits >> 4) & 0x000F000Fu) | MAGIC);
+                        const S2 sixteen = {S(16.0f), S(16.0f)};
+                        const S2 code = __hfma2(__hsub2(hi, magic), sixteen, __hsub2(lo, magic));
+                        product = __hmul2_rn(code, s2);
+                    } else {
+                        constexpr unsigned int MASK = ((1u << BITS) - 1u) * 0x00010001u;
+                        const S2 m_plus_code =
+                            bits_as<S2>(((w[word] >> (BITS * i)) & MASK) | MAGIC);
+                        if constexpr (FUSED) {
+                            product = __hfma2(m_plus_code, s2, minus_m_scale);
+                        } else {
+                            product = __hmul2_rn(__hsub2(m_plus_code, magic), s2);
+                        }
+                    }
+                    const float2 wide = widened(__hadd2(product, b2));
+                    x[word * PER_WORD + i] = wide.x;
+                    x[word * PER_WORD + i + PER_WORD / 2] = wide.y;
                 }
-                const S2 value = __hadd2(__hmul2(code, s2), b2);
-                const float2 wide = widened(value);
-                x[word * PER_WORD + i] = wide.x;
-                x[word * PER_WORD + i + PER_WORD / 2] = wide.y;
             }
+        };
+        if (BITS < 8 && fabsf(static_cast<float>(scale)) < LIMIT) {
+            decode(Choice<true>());
+        } else {
+            decode(Choice<false>());
         }
     }
 };
@@ -299,12 +337,6 @@ __device__ __forceinline__ void attend_stage(
 }
 
 // What only the tensor-core body uses: the chunk tag, TF32 rounding and the MMA.
-
-// A chunk body's tag: WHOLE true when all 8 of its positions are before the split's end.
-template <bool B>
-struct Whole {
-    static constexpr bool value = B;
-};
 
 __device__ __forceinline__ unsigned int tf32(float x) {
     // x rounded to the nearest TF32 (ties away), for the operands computed once per block
@@ -493,15 +525,23 @@ __device__ __forceinline__ void partial_pass(
                 #pragma unroll
                 for (int j = 0; j < EK; ++j) k[j] = 0.0f;
             }
-            float s[2][4] = {};  // two accumulation chains
+            // Independent accumulation chains: four for 8-bit TurboQuant keys (measured
+            // faster on an H200), two elsewhere (more registers cost plain rows a block per SM).
+            constexpr int CHAINS = KFMT == 2 && KBITS == 8 ? 4 : 2;
+            float s[CHAINS][4] = {};
             #pragma unroll
             for (int j = 0; j < KSTEPS; ++j) {
                 const uint4 a = query_fragment[j][lane];
-                mma_tf32(s[j & 1], a.x, a.y, a.z, a.w, __float_as_uint(k[2 * j]),
+                mma_tf32(s[j % CHAINS], a.x, a.y, a.z, a.w, __float_as_uint(k[2 * j]),
                          __float_as_uint(k[2 * j + 1]));
             }
-            const float s0 = WHOLE || tv < end ? s[0][0] + s[1][0] : NEG_INF;
-            const float s1 = WHOLE || tv + 1 < end ? s[0][1] + s[1][1] : NEG_INF;
+            #pragma unroll
+            for (int chain = 1; chain < CHAINS; ++chain) {
+                s[0][0] += s[chain][0];
+                s[0][1] += s[chain][1];
+            }
+            const float s0 = WHOLE || tv < end ? s[0][0] : NEG_INF;
+            const float s1 = WHOLE || tv + 1 < end ? s[0][1] : NEG_INF;
 
             // Online softmax of head `row` over the chunk (its 8 scores lie in 4 lanes). A NaN
             // score (DEFER-1) passes fmaxf by and makes its weight NaN, even where no finite
@@ -559,10 +599,10 @@ __device__ __forceinline__ void partial_pass(
             const ValueRow v0 = next_v0;
             const ValueRow v1 = next_v1;
             if (c + WARPS < chunks) load(c + WARPS, next_key, next_v0, next_v1);
-            attend_chunk(Whole<true>(), c, key, v0, v1);
+            attend_chunk(Choice<true>(), c, key, v0, v1);
         }
         // The partial chunk, if any, is this warp's next (its rows are loaded).
-        if (c < chunks) attend_chunk(Whole<false>(), c, next_key, next_v0, next_v1);
+        if (c < chunks) attend_chunk(Choice<false>(), c, next_key, next_v0, next_v1);
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
 
