@@ -1,6 +1,7 @@
 """The decode step: deferred encodes store the reference's bits (DEFER-1, DEFER-2), deferred
 caches report bad appends through `check()` and NaN reads (DEFER-3), and a decode read of
-stored fields stays within READ-1's bound (READ-7).
+stored fields stays within READ-1's bound and, over one row, returns that row's values
+exactly (READ-7).
 
 On a CUDA device these run the fused kernels (TurboQuant encode, affine encoder, decode
 attention); elsewhere the portable MLX-ops paths, which store the same bits. The shapes
@@ -253,6 +254,11 @@ def test_a_decode_read_of_one_row_returns_its_values_as_decoded(
     the bound of `test_decode_read_of_stored_fields_is_within_bound` would hide it."""
     if body == "cuda-cores" and not _kernels_on_cuda(backend):
         pytest.skip("the CUDA-core body of the decode-attention kernels runs on CUDA only")
+    if body == "default" and kind.startswith("turbo") and _kernels_on_cuda(backend):
+        pytest.skip(
+            "TurboQuant values decode to float32, which the tensor cores truncate to TF32 "
+            "(READ-7); their CUDA-core body is held here"
+        )
     head_dim = 256 if kind.endswith("head256") else 128
     dtype = "float16" if kind == "kv" or kind.endswith("float16") else "bfloat16"
     rng = np.random.default_rng(7)
