@@ -18,6 +18,9 @@ and write one partial (max, sum, weighted values) per split. Pass 1 has two bodi
   time; S = Q K^T and O^T += V^T P^T are TF32 MMAs (m16n8k8) with float32 accumulation,
   the lanes laid out so that the scores leave each lane holding exactly the weights its
   next MMA needs (no shuffle of weights), and the softmax runs once per 8 positions;
+  keys that decode to 16-bit values of the queries' format (plain bfloat16 or float16,
+  affine in whole pairs) score on 16-bit MMAs (m16n8k16) instead, half as many, of exact
+  products, the softmax scale applied to each float32 score;
 - on CUDA cores: lane l of a warp owns elements [l E, l E + E) of a row (E = D / 32); a
   warp takes every WARPS-th position of the split, STAGE at a time, loading the next
   stage's raw words before it decodes this one; the stage's dot products reduce together

@@ -200,7 +200,8 @@ struct LaneRow {
     // value (|scale| < LIMIT: no overflow; an S value times a power of two); elsewhere, and
     // for 8-bit codes (16 hi + lo from two nibbles, exact), c then `__hmul2_rn`, which the
     // compiler may not fuse with the sum into one rounding as it fuses `__hmul2`.
-    __device__ __forceinline__ void decode_pairs(float (&x)[E]) const {
+    template <typename Emit>
+    __device__ __forceinline__ void visit_pairs(Emit emit) const {
         using S2 = typename Paired<S>::type;
         constexpr unsigned int MAGIC = Paired<S>::MAGIC;
         constexpr float M = IS_BFLOAT16<S> ? 128.0f : 1024.0f;
@@ -234,9 +235,7 @@ struct LaneRow {
                             product = __hmul2_rn(__hsub2(m_plus_code, magic), s2);
                         }
                     }
-                    const float2 wide = widened(__hadd2(product, b2));
-                    x[word * PER_WORD + i] = wide.x;
-                    x[word * PER_WORD + i + PER_WORD / 2] = wide.y;
+                    emit(word, i, __hadd2(product, b2));
                 }
             }
         };
@@ -244,6 +243,39 @@ struct LaneRow {
             decode(Choice<true>());
         } else {
             decode(Choice<false>());
+        }
+    }
+
+    __device__ __forceinline__ void decode_pairs(float (&x)[E]) const {
+        constexpr int PER_WORD = 32 / BITS;
+        visit_pairs([&](int word, int i, auto value) {
+            const float2 wide = widened(value);
+            x[word * PER_WORD + i] = wide.x;
+            x[word * PER_WORD + i + PER_WORD / 2] = wide.y;
+        });
+    }
+
+    // Rows whose decoded elements are 16-bit values (PAIRS16: plain bfloat16 or float16
+    // words, affine codes in whole pairs with 16-bit scales) also decode to those values
+    // two to a word, as a 16-bit MMA takes them. Pair p holds elements pair_element(p) and
+    // pair_element(p) + PER_PAIR_WORD / 2, the lower in the low half.
+    static constexpr bool PAIRS16 =
+        WORDS && (FMT == 0 ? PAIRED<C> : FMT == 1 && PAIRED<S> && WHOLE_PAIRS);
+    static constexpr int PER_PAIR_WORD = FMT == 0 ? 2 : 32 / (BITS > 0 ? BITS : 1);
+    static constexpr int pair_element(int p) {
+        return p / (PER_PAIR_WORD / 2) * PER_PAIR_WORD + p % (PER_PAIR_WORD / 2);
+    }
+
+    __device__ __forceinline__ void decode_pairs16(unsigned int (&pairs)[E / 2]) const {
+        if constexpr (FMT == 0) {
+            #pragma unroll
+            for (int p = 0; p < E / 2; ++p) pairs[p] = w[p];
+        } else {
+            visit_pairs([&](int word, int i, auto value) {
+                unsigned int bits;
+                memcpy(&bits, &value, 4);
+                pairs[word * (PER_PAIR_WORD / 2) + i] = bits;
+            });
         }
     }
 };
@@ -360,6 +392,48 @@ __device__ __forceinline__ void mma_tf32(
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+template <typename H>
+__device__ __forceinline__ void mma_16bit(
+    float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+    unsigned int b0, unsigned int b1) {
+    // d += A B on tensor cores, A 16 x 16 and B 16 x 8 of 16-bit values H (bfloat16 or
+    // float16, two to a register, the lower k in the low half), float32 accumulation of
+    // exact products. Lane (r, c) holds A[r][2c, 2c + 1], A[r + 8][2c, 2c + 1],
+    // A[r][2c + 8, 2c + 9], A[r + 8][2c + 8, 2c + 9]; B[2c, 2c + 1][r], B[2c + 8, 2c + 9][r];
+    // D as mma_tf32 (PTX ISA, mma.m16n8k16 .bf16 / .f16).
+    if constexpr (IS_BFLOAT16<H>) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
+// The 16-bit type a side's rows decode to: its codes' for plain rows, its scales' for
+// affine rows (void for the others).
+template <int FMT, typename C, typename S>
+struct Paired16 {
+    using type = void;
+};
+template <typename C, typename S>
+struct Paired16<0, C, S> {
+    using type = C;
+};
+template <typename C, typename S>
+struct Paired16<1, C, S> {
+    using type = S;
+};
+
+template <typename A, typename B>
+constexpr bool SAME_TYPE = false;
+template <typename A>
+constexpr bool SAME_TYPE<A, A> = true;
+
 // Pass 1 (READ-7) of one block: split blockIdx.x of KV head blockIdx.y. Inputs: q
 // [B, Hq, 1, DK]; per side codes, scales, biases (a null pointer where a format has none:
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
@@ -463,9 +537,15 @@ __device__ __forceinline__ void partial_pass(
         // The output O^T += V^T P^T: A holds values (lane (row, col): positions t0 + 2 col and
         // t0 + 2 col + 1, elements [row EV, row EV + EV); tile i's rows row and row + 8 are
         // elements row EV + 2i and row EV + 2i + 1), B the weights as S left them in the lane.
+        // Keys that decode to 16-bit values of the queries' own format score on 16-bit MMAs
+        // (SCORES16, mma_16bit): step j takes the lane's pairs 2j and 2j + 1 of its elements
+        // (pair_element), the query as given, exact products; the softmax scale multiplies
+        // each float32 score after. Other keys score in TF32 as above.
+        constexpr bool SCORES16 =
+            KeyRow::PAIRS16 && SAME_TYPE<QT, typename Paired16<KFMT, KC, KS>::type>;
         const int row = lane >> 2;
         const int col = lane & 3;
-        constexpr int KSTEPS = DK / 8;
+        constexpr int KSTEPS = SCORES16 ? DK / 16 : DK / 8;
         constexpr int MTILES = DV / 16;
 
         // The query fragment, the same for every warp of the block, in shared memory past the
@@ -481,8 +561,20 @@ __device__ __forceinline__ void partial_pass(
                 unsigned int a[2];
                 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    const long long at = q_row + (col * EK + 2 * j + i) * queries_strides[3];
-                    a[i] = row < G ? tf32(static_cast<float>(queries[at]) * factor) : 0u;
+                    if constexpr (SCORES16) {
+                        // Pair 2j + i: the query's elements where the keys' pair lies.
+                        const int e = col * EK + KeyRow::pair_element(2 * j + i);
+                        const int e_hi = e + KeyRow::PER_PAIR_WORD / 2;
+                        unsigned short lo = 0, hi = 0;
+                        if (row < G) {
+                            memcpy(&lo, &queries[q_row + e * queries_strides[3]], 2);
+                            memcpy(&hi, &queries[q_row + e_hi * queries_strides[3]], 2);
+                        }
+                        a[i] = (unsigned int)lo | ((unsigned int)hi << 16);
+                    } else {
+                        const long long at = q_row + (col * EK + 2 * j + i) * queries_strides[3];
+                        a[i] = row < G ? tf32(static_cast<float>(queries[at]) * factor) : 0u;
+                    }
                 }
                 query_fragment[j][lane] = make_uint4(a[0], 0u, a[1], 0u);
             }
@@ -518,27 +610,46 @@ __device__ __forceinline__ void partial_pass(
             const int t0 = start + 8 * c;
             const int tv = t0 + 2 * col;
 
-            float k[EK];
-            if (WHOLE || t0 + row < end) {
-                key.decode(codebook, col, k);
-            } else {
-                #pragma unroll
-                for (int j = 0; j < EK; ++j) k[j] = 0.0f;
-            }
             // Independent accumulation chains: four for 8-bit TurboQuant keys (measured
             // faster on an H200), two elsewhere (more registers cost plain rows a block per SM).
             constexpr int CHAINS = KFMT == 2 && KBITS == 8 ? 4 : 2;
             float s[CHAINS][4] = {};
-            #pragma unroll
-            for (int j = 0; j < KSTEPS; ++j) {
-                const uint4 a = query_fragment[j][lane];
-                mma_tf32(s[j % CHAINS], a.x, a.y, a.z, a.w, __float_as_uint(k[2 * j]),
-                         __float_as_uint(k[2 * j + 1]));
+            if constexpr (SCORES16) {
+                unsigned int k[EK / 2];
+                if (WHOLE || t0 + row < end) {
+                    key.decode_pairs16(k);
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < EK / 2; ++j) k[j] = 0u;
+                }
+                #pragma unroll
+                for (int j = 0; j < KSTEPS; ++j) {
+                    const uint4 a = query_fragment[j][lane];
+                    mma_16bit<QT>(s[j % CHAINS], a.x, a.y, a.z, a.w, k[2 * j], k[2 * j + 1]);
+                }
+            } else {
+                float k[EK];
+                if (WHOLE || t0 + row < end) {
+                    key.decode(codebook, col, k);
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < EK; ++j) k[j] = 0.0f;
+                }
+                #pragma unroll
+                for (int j = 0; j < KSTEPS; ++j) {
+                    const uint4 a = query_fragment[j][lane];
+                    mma_tf32(s[j % CHAINS], a.x, a.y, a.z, a.w, __float_as_uint(k[2 * j]),
+                             __float_as_uint(k[2 * j + 1]));
+                }
             }
             #pragma unroll
             for (int chain = 1; chain < CHAINS; ++chain) {
                 s[0][0] += s[chain][0];
                 s[0][1] += s[chain][1];
+            }
+            if constexpr (SCORES16) {
+                s[0][0] = __fmul_rn(s[0][0], factor);
+                s[0][1] = __fmul_rn(s[0][1], factor);
             }
             const float s0 = WHOLE || tv < end ? s[0][0] : NEG_INF;
             const float s1 = WHOLE || tv + 1 < end ? s[0][1] : NEG_INF;
