@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
-from typing import NamedTuple
+from functools import cache, lru_cache
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -461,33 +461,25 @@ def decode_attention(
         inputs = [*_fields(stored[0]), *_fields(stored[1])]
         keys, values, offsets = side_format(stored[0]), side_format(stored[1]), None
         slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1][0]), *_fields(slot[1][1])]
-    B, Hq, N, _ = queries.shape
     rotated = values.fmt == TURBO_VALUE
     if rotated and (table is None or signs is None):
         raise ValueError("TurboQuant values are read with their codebook and signs")
-    plan = _plan(
+    launch = _launch(
+        tuple(queries.shape),
         queries.dtype,
         keys,
         values,
-        Hq // Hk,
-        _float_bits(scale),
+        Hk,
+        T,
+        scale,
         table.size if rotated else 0,
         out_dtype,
+        rows is not None,
+        tensor_cores,
+        slot is not None,
+        offsets,
     )
-    splits = _splits(T, B * Hk)
-    threads = WARPS * 32
-    DV = values.dim
-    if tensor_cores is None:
-        tensor_cores = tensor_core_fit(keys, values)
-    elif tensor_cores and not tensor_core_fit(keys, values):
-        raise ValueError(
-            "the tensor-core body does not take this read: head dims "
-            f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
-        )
-    kernel = _partial_kernel(
-        plan, rows is not None, tensor_cores, slot is not None, keys.fmt, values.fmt, offsets
-    )
-    partial, stats = kernel(
+    partial, stats = launch.partial(
         inputs=[
             queries,
             *inputs,
@@ -495,16 +487,67 @@ def decode_attention(
             *([] if rows is None else [rows]),
             *slot_inputs,
         ],
-        grid=(splits * threads, B * Hk, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(B * Hq, splits, DV), (B * Hq, splits, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        **launch.partial_options,
     )
-    (out,) = _merge_kernel(plan, rotated)(
-        inputs=[partial, stats, *([signs] if rotated else [])],
-        grid=(B * Hq * DV, 1, 1),
-        threadgroup=(DV, 1, 1),
-        output_shapes=[(B, Hq, N, DV)],
-        output_dtypes=[out_dtype],
+    (out,) = launch.merge(
+        inputs=[partial, stats, *([signs] if rotated else [])], **launch.merge_options
     )
     return out
+
+
+class _Launch(NamedTuple):
+    """Both passes of one read configuration, with what they launch with (`_launch`)."""
+
+    partial: Any
+    partial_options: dict[str, Any]
+    merge: Any
+    merge_options: dict[str, Any]
+
+
+@lru_cache(maxsize=256)
+def _launch(
+    query_shape: tuple[int, ...],
+    query_dtype: mx.Dtype,
+    keys: SideFormat,
+    values: SideFormat,
+    Hk: int,
+    T: int,
+    scale: float,
+    table_size: int,
+    out_dtype: mx.Dtype,
+    counted: bool,
+    tensor_cores: bool | None,
+    slotted: bool,
+    offsets: tuple[int, ...] | None,
+) -> _Launch:
+    """The kernels and launch options of a read configuration, made once: a decode step
+    reads with the same configuration at every layer, and (whole buffers with a live count)
+    at every step until its buffers grow, so it spends no host time on planning."""
+    B, Hq, N, _ = query_shape
+    plan = _plan(query_dtype, keys, values, Hq // Hk, _float_bits(scale), table_size, out_dtype)
+    if tensor_cores is None:
+        tensor_cores = tensor_core_fit(keys, values)
+    elif tensor_cores and not tensor_core_fit(keys, values):
+        raise ValueError(
+            "the tensor-core body does not take this read: head dims "
+            f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
+        )
+    splits = _splits(T, B * Hk)
+    threads = WARPS * 32
+    DV = values.dim
+    return _Launch(
+        _partial_kernel(plan, counted, tensor_cores, slotted, keys.fmt, values.fmt, offsets),
+        {
+            "grid": (splits * threads, B * Hk, 1),
+            "threadgroup": (threads, 1, 1),
+            "output_shapes": [(B * Hq, splits, DV), (B * Hq, splits, 2)],
+            "output_dtypes": [mx.float32, mx.float32],
+        },
+        _merge_kernel(plan, values.fmt == TURBO_VALUE),
+        {
+            "grid": (B * Hq * DV, 1, 1),
+            "threadgroup": (DV, 1, 1),
+            "output_shapes": [(B, Hq, N, DV)],
+            "output_dtypes": [out_dtype],
+        },
+    )
