@@ -83,7 +83,8 @@ class Row:
     floor_fraction: float = 0.0
     host_us: float = 0.0
     #: A kind's step and read rows: bare bf16 SDPA's time per layer in the same turns, the
-    #: ratio's denominator (a busy machine slows both alike).
+    #: ratio's denominator (a busy machine slows both alike). Compiled rows: its fastest
+    #: turn beside theirs (none with --compiled-only).
     bare_us: float = 0.0
     #: Compiled rows: the eager step's wall and host time in the same turns.
     eager_us: float = 0.0
@@ -255,10 +256,14 @@ def step_rows(
             rows += eager_rows(
                 name, context, layer_caches, eager_step, q, repeats, bandwidth, bare_run
             )
-        (eager, eager_host, eager_cpu), (compiled, compiled_host, compiled_cpu) = taking_turns(
-            [eager_step, compiled_step(layer_caches, k1, v1, q)],
+        # With the baselines, bare SDPA takes turns too: the compiled step's ratio to it.
+        turns = taking_turns(
+            [eager_step, compiled_step(layer_caches, k1, v1, q)]
+            + ([] if compiled_only else [bare_run]),
             repeats,
         )
+        (eager, eager_host, eager_cpu), (compiled, compiled_host, compiled_cpu) = turns[:2]
+        bare = turns[2][0] / layers * 1e6 if len(turns) > 2 else 0.0
         rows.append(
             Row(
                 "compiled",
@@ -271,6 +276,7 @@ def step_rows(
                 eager_us=eager / layers * 1e6,
                 eager_host_us=eager_host / layers * 1e6,
                 cpu_ratio=compiled_cpu / eager_cpu,
+                bare_us=bare,
             )
         )
         for cache in layer_caches:
@@ -429,17 +435,20 @@ def print_compiled(rows: list[Row], width: int) -> None:
     print(
         "\ncompiled: the step as one compiled graph against the eager step, per layer, "
         "fastest of the turns  (ratio: compiled / eager; cpu: the same of the least CPU "
-        "time, steadier where other processes share the CPU; host: eager -> compiled)"
+        "time, steadier where other processes share the CPU; host: eager -> compiled; "
+        "x bare: compiled / bare bf16 SDPA taking the same turns)"
     )
     header = (
-        f"{'context':>7}  {'compiled':>9}  {'eager':>9}  {'ratio':>6}  {'cpu':>5}  {'host us':>15}"
+        f"{'context':>7}  {'compiled':>9}  {'eager':>9}  {'ratio':>6}  {'cpu':>5}  "
+        f"{'host us':>15}  {'x bare':>6}"
     )
     print(f"{'':{width}}  {header}")
     for row in rows:
         host = f"{row.eager_host_us:.1f} -> {row.host_us:.1f}"
+        bare = f"{row.us / row.bare_us:6.2f}" if row.bare_us else ""
         print(
             f"{row.what:{width}}  {row.context:7d}  {row.us:9.1f}  {row.eager_us:9.1f}  "
-            f"{row.ratio:6.2f}  {row.cpu_ratio:5.2f}  {host:>15}"
+            f"{row.ratio:6.2f}  {row.cpu_ratio:5.2f}  {host:>15}  {bare:>6}"
         )
 
 

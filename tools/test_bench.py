@@ -21,6 +21,8 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
     compiled = [row for row in rows if row["table"] == "compiled"]
     assert {row["what"] for row in compiled} == set(bench.KINDS)
     assert all(row["eager_us"] > 0 for row in compiled)
+    # The compiled steps take turns with bare SDPA too.
+    assert all(row["bare_us"] > 0 for row in compiled)
     reads = [row for row in rows if row["table"] == "attend"]
     assert {row["what"] for row in reads} == set(bench.KINDS)
     for row in rows:
@@ -48,6 +50,7 @@ def test_compiled_only_reports_compiled_against_eager(tmp_path: Path, capsys) ->
     for row in rows:
         assert row["us"] > 0 and row["eager_us"] > 0 and row["cpu_ratio"] > 0
         assert row["ratio"] == pytest.approx(row["us"] / row["eager_us"])
+        assert row["bare_us"] == 0  # no baselines: nothing to take turns with
     assert "compiled / eager" in capsys.readouterr().out
 
 
