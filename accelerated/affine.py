@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from kvspec.accelerated import affine_kernels
 from kvspec.accelerated import bits as bitstream
+from kvspec.accelerated.device import cuda_available
 from kvspec.accelerated.dtypes import dtype_name, narrow, quiet_nan, widen
 from kvspec.accelerated.records import RecordLayout, record_layout
 from kvspec.reference.affine import (
@@ -161,7 +162,7 @@ def _default_encoder() -> str:
     device = mx.default_device()
     if device.type == mx.DeviceType.cpu:
         return "mlx_cpu"
-    return "cuda" if mx.cuda.is_available() else "ops"
+    return "cuda" if cuda_available() else "ops"
 
 
 def quantize(
@@ -267,11 +268,10 @@ def quantize_record_deferred(
     k: mx.array, v: mx.array, group_size: int, bits: int, prior: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
     """`quantize_deferred_pair` where `record_encoder_takes` the input: the six fields as one
-    record uint8 [B, H, L, row_bytes] of `stored_layout`, and the failure, one launch."""
-    validate_layout(k, group_size, bits)
-    validate_layout(v, group_size, bits)
-    if not record_encoder_takes(k, v):
-        raise ValueError("the record encoder takes keys and values of one shape on CUDA")
+    record uint8 [B, H, L, row_bytes] of `stored_layout`, and the failure, one launch. Its
+    caller has checked the input as `validate_layout` does and asked `record_encoder_takes`:
+    the cache (its layout checks, CACHE-2, and head dims, QKV-1), which checks once per
+    append what a second check here would cost every layer again."""
     layout = stored_layout(group_size, bits, k.shape[-1], k.dtype)
     return affine_kernels.quantize_pair_record(k, v, group_size, bits, prior, layout)
 

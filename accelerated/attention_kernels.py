@@ -47,6 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvspec.accelerated.cuda_source import Constant, cuda_kernel, included
+from kvspec.accelerated.device import cuda_available
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 #: Storage formats of one side (keys or values) of a cache.
@@ -300,7 +301,7 @@ def supported(
     """Whether the kernels take this read: a CUDA device, head dims they are built for, at
     most MAX_GROUP query heads per KV head. (Stored fields are contiguous in their last
     axis: caches slice them along positions only.)"""
-    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+    if not (mx.default_device() == mx.gpu and cuda_available()):
         return False
     if query_heads % kv_heads != 0 or query_heads // kv_heads > MAX_GROUP:
         return False

@@ -16,11 +16,11 @@ FUSED_KERNELS_ENV = "KVSPEC_FUSED_KERNELS"
 def fused_kernels_enabled() -> bool:
     """Whether the CUDA kernels run: a CUDA default device, and KVSPEC_FUSED_KERNELS is not
     "0"."""
-    on_cuda = mx.default_device() == mx.gpu and _cuda_available()
+    on_cuda = mx.default_device() == mx.gpu and cuda_available()
     return on_cuda and os.environ.get(FUSED_KERNELS_ENV, "1") != "0"
 
 
 @cache
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     """Whether MLX has its CUDA backend here (fixed for the process; asked once)."""
     return mx.cuda.is_available()

@@ -21,12 +21,15 @@ FLOAT_DTYPES: dict[str, mx.Dtype] = {
 _BITS_VIEW = {mx.bfloat16: mx.uint16}
 
 
+_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
+
+
 def dtype_name(dtype: mx.Dtype) -> str:
     """The spec's name of a supported float format; ValueError for anything else (CONV-1)."""
-    for name, candidate in FLOAT_DTYPES.items():
-        if dtype == candidate:
-            return name
-    raise ValueError(f"unsupported dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
+    name = _NAMES.get(dtype) if isinstance(dtype, mx.Dtype) else None
+    if name is None:
+        raise ValueError(f"unsupported dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
+    return name
 
 
 def widen(x: mx.array) -> mx.array:
