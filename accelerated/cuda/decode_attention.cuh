@@ -368,7 +368,7 @@ __device__ __forceinline__ void attend_stage(
     }
 }
 
-// What only the tensor-core body uses: the chunk tag, TF32 rounding and the MMA.
+// What only the tensor-core body uses: TF32 rounding and the MMAs.
 
 __device__ __forceinline__ unsigned int tf32(float x) {
     // x rounded to the nearest TF32 (ties away), for the operands computed once per block
@@ -550,7 +550,8 @@ __device__ __forceinline__ void partial_pass(
 
         // The query fragment, the same for every warp of the block, in shared memory past the
         // warps' merge (registers go to the decode): step j's A operand (A[row][col], 0,
-        // A[row][col + 4], 0) at [j][lane], one 16-byte load straight into the MMA's registers.
+        // A[row][col + 4], 0) at [j][lane], one 16-byte load straight into the MMA's registers
+        // (for SCORES16 each of the two a pair of 16-bit values, mma_16bit's a0 and a2).
         constexpr int MERGED = (WARPS * G * DV + 2 * WARPS * G + 3) / 4 * 4;
         uint4 (*query_fragment)[32] = reinterpret_cast<uint4 (*)[32]>(shared + MERGED);
         if (warp == 0) {
