@@ -11,8 +11,10 @@ step, the two taking turns on the same caches (fastest of the repeats, and least
 the steadier measure where other processes share the CPU). Each read's
 attention alone is also timed against its byte floor: the bytes it must read over the
 plain-read bandwidth measured in this run; on CUDA, beside it, the same read on the kernels'
-CUDA-core body where the tensor-core body takes it. Absolute times mean something only on
-the GPU machine.
+CUDA-core body where the tensor-core body takes it; over two contexts or more, the time a
+read adds from the first to the last gives its stored bytes' rate (the `rate` table), the
+kernels' own, without the costs of a call. Absolute times mean something only on the GPU
+machine.
 
     python tools/bench.py                       # the table at 1k .. 128k positions
     python tools/bench.py --contexts 4096 --json rows.json
@@ -397,6 +399,43 @@ def _arrays(result: object) -> list[mx.array]:
     return [a for part in result for a in _arrays(part)]
 
 
+def rate_rows(rows: list[Row], bandwidth: float) -> list[Row]:
+    """Per read, the time it adds per layer from the first context to the last, and the
+    rate at which that streams its stored bytes, as a fraction of the plain read (`ratio`):
+    the kernels' own rate, free of the costs of a call that each context's floor counts
+    (graph building aside, MLX's evaluation and the launches)."""
+    reads: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.table == "attend":
+            reads.setdefault(row.what, []).append(row)
+    rates = []
+    for what, measured in reads.items():
+        first = min(measured, key=lambda row: row.context)
+        last = max(measured, key=lambda row: row.context)
+        added_us = last.us - first.us
+        if last.context == first.context or added_us <= 0:
+            continue
+        streamed = last.bytes_per_token * (last.context - first.context)
+        rate = streamed / (added_us * 1e-6)
+        rates.append(
+            Row("rate", what, last.context, added_us, rate / bandwidth, last.bytes_per_token)
+        )
+    return rates
+
+
+def print_rates(rows: list[Row], bandwidth: float, first: int) -> None:
+    """The rate table (`rate_rows`)."""
+    width = max(len(row.what) for row in rows)
+    print(
+        f"\nrate: the time a read adds per layer from {first} positions to the context, and "
+        "its stored bytes' rate over it (ratio: of the plain read bandwidth)"
+    )
+    print(f"{'':{width}}  {'context':>7}  {'added us':>8}  {'TB/s':>6}  {'ratio':>6}")
+    for row in rows:
+        rate = row.ratio * bandwidth / 1e12
+        print(f"{row.what:{width}}  {row.context:7d}  {row.us:8.1f}  {rate:6.2f}  {row.ratio:6.2f}")
+
+
 def print_rows(rows: list[Row]) -> None:
     """The rows, table by table."""
     width = max(len(row.what) for row in rows)
@@ -503,6 +542,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print_rows(measured)
         rows += measured
+    rates = rate_rows(rows, bandwidth) if not args.compiled_only else []
+    if rates:
+        print_rates(rates, bandwidth, min(args.contexts))
+        rows += rates
     if not args.compiled_only:
         measured = encode_rows(args.encode_positions, args.repeats)
         print_rows(measured)
