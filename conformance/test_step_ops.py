@@ -202,3 +202,32 @@ def test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers(backend: Back
         reads.append(cache.append_decode(one, one))
     assert all(read.rows is reads[0].rows for read in reads)
     assert reads[0].rows.tolist() == [6]
+
+
+@pytest.mark.parametrize(
+    ("kind", "k_shape", "v_shape", "v_dtype"),
+    [
+        ("affine", (1, 2, 1, 96), (1, 2, 1, 96), "bfloat16"),  # head_dim off the group
+        ("affine", (1, 2, 1, 128), (1, 3, 1, 128), "bfloat16"),  # two head counts
+        ("affine", (1, 2, 1, 128), (1, 2, 1, 128), "float16"),  # two dtypes
+        ("turbo", (1, 2, 1, 48), (1, 2, 1, 48), "bfloat16"),  # a head_dim TurboQuant lacks
+    ],
+)
+def test_the_cuda_path_rejects_what_its_encoders_cannot_take_before_a_launch(
+    backend: Backend, cuda_path, kind, k_shape, v_shape, v_dtype
+) -> None:
+    """On the CUDA path a cache checks an append once and its record encoders trust that
+    check (QKV-1, TQC-1): an append the format cannot take raises ValueError before any
+    kernel is launched, and the cache stays as it was (CACHE-2)."""
+    import mlx.core as mx
+
+    caches = backend.module("caches")
+    cache = (
+        caches.QuantizedKVCache(64, 4, checks="deferred")
+        if kind == "affine"
+        else caches.TurboQuantKVCache(8, 4, "dense", checks="deferred")
+    )
+    with pytest.raises(ValueError):
+        cache.append_decode(mx.zeros(k_shape, mx.bfloat16), mx.zeros(v_shape, getattr(mx, v_dtype)))
+    assert sum(cuda_path.values()) == 0
+    assert cache.offset == 0

@@ -350,6 +350,15 @@ CATALOGUE = (
         (f"{STEP_OPS}::test_a_decode_step_hands_mlx_its_budget_of_ops",),
     ),
     Mutant(
+        "mlx-affine-record-head-dim-unchecked",
+        "accelerated/caches/quantized.py",
+        "        self._check_head_dims(k, v)\n        prior = running(self)\n",
+        "        prior = running(self)\n",
+        "the MLX affine cache's record encode launches on keys whose head_dim its group does "
+        "not divide: its encoder trusts the cache's checks (QKV-1)",
+        (f"{STEP_OPS}::test_the_cuda_path_rejects_what_its_encoders_cannot_take_before_a_launch",),
+    ),
+    Mutant(
         "mlx-affine-round-half-away",
         "accelerated/affine.py",
         "    steps = mx.round((groups - bias[..., None]) / scale[..., None])\n",
