@@ -1,0 +1,57 @@
+"""tools/kernel_ab.py: the quick mode reads every kind under each source on the CPU (shapes
+only: times mean nothing here, and the portable path reads no kernel source), sources are
+checked before anything runs, and the kernels' own sources are back in place after."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import kernel_ab
+import pytest
+
+from kvspec.accelerated import attention_kernels, cuda_source
+
+
+def _copy_of_the_sources(tmp_path: Path, name: str) -> Path:
+    directory = tmp_path / name
+    shutil.copytree(cuda_source.CUDA_DIR, directory)
+    return directory
+
+
+def test_quick_run_reads_every_kind_under_each_source(tmp_path: Path) -> None:
+    original = cuda_source.CUDA_DIR
+    header = attention_kernels._INCLUDE
+    a, b = (_copy_of_the_sources(tmp_path, name) for name in "ab")
+    out = tmp_path / "rows.json"
+    assert kernel_ab.main(["--quick", f"a={a}", f"b={b}", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {(row["kind"], row["context"], row["source"]) for row in rows} == {
+        (kind, context, name) for kind in kernel_ab.KINDS for context in (64, 96) for name in "ab"
+    }
+    for row in rows:
+        assert row["us"] > 0 and row["bytes_per_token"] > 0
+        assert row["max_diff"] == 0  # the same sources, the same outputs
+    for rate in report["rates"]:
+        assert rate["positions"] == 32 and rate["rate"] > 0
+    assert original == cuda_source.CUDA_DIR
+    assert header == attention_kernels._INCLUDE
+
+
+@pytest.mark.parametrize("spec", ["nameless", "=dir", "a=/no/such/directory"])
+def test_a_source_is_a_name_and_a_directory_of_the_kernels_files(spec: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        kernel_ab.main(["--quick", spec])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "a source is NAME=DIR" in error or "lacks decode_attention.cuh" in error
+
+
+def test_sources_need_names_of_their_own(tmp_path: Path, capsys) -> None:
+    a = _copy_of_the_sources(tmp_path, "a")
+    with pytest.raises(SystemExit) as exit_info:
+        kernel_ab.main(["--quick", f"x={a}", f"x={a}"])
+    assert exit_info.value.code == 2
+    assert "name of its own" in capsys.readouterr().err
