@@ -158,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", type=source, nargs="+", metavar="NAME=DIR")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--kinds", nargs="+", metavar="TEXT", help="kinds whose names hold a TEXT")
+    parser.add_argument(
+        "--kinds", nargs="+", metavar="TEXT", help="kinds whose names hold a TEXT (or are it)"
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--turns", type=int, default=9)
     parser.add_argument("--json", help="write the rows to this file")
@@ -166,7 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len({name for name, _ in args.sources}) != len(args.sources):
         parser.error("each source needs a name of its own")
-    kinds = [kind for kind in KINDS if not args.kinds or any(t in kind for t in args.kinds)]
+    # A TEXT that is a whole name picks that kind, else every kind whose name holds it.
+    kinds = [
+        kind
+        for kind in KINDS
+        if not args.kinds
+        or any(kind == text if text in KINDS else text in kind for text in args.kinds)
+    ]
     if not kinds:
         parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
     if args.quick:
