@@ -60,5 +60,5 @@ def test_sources_need_names_of_their_own(tmp_path: Path, capsys) -> None:
 def test_kinds_picks_a_whole_name_alone(tmp_path: Path) -> None:
     a = _copy_of_the_sources(tmp_path, "a")
     out = tmp_path / "rows.json"
-    assert kernel_ab.main(["--quick", "--kinds", "KVCache", f"a={a}", "--json", str(out)]) == 0
+    assert kernel_ab.main([f"a={a}", "--quick", "--kinds", "KVCache", "--json", str(out)]) == 0
     assert {row["kind"] for row in json.loads(out.read_text())["rows"]} == {"KVCache"}
