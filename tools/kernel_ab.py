@@ -8,8 +8,8 @@ bench runs minutes apart are not. Outputs are compared too: the largest differen
 first source's (0 where a change keeps every operation).
 
     python tools/kernel_ab.py main=/path/to/main/accelerated/cuda new=accelerated/cuda
-    python tools/kernel_ab.py --contexts 32768 131072 --kinds affine main=DIR new=DIR
-    python tools/kernel_ab.py --quick a=accelerated/cuda b=accelerated/cuda   # CPU smoke run
+    python tools/kernel_ab.py main=DIR new=DIR --contexts 4096 131072 --kinds Quantized
+    python tools/kernel_ab.py a=accelerated/cuda b=accelerated/cuda --quick   # CPU smoke run
 
 Only the decode-attention kernels' file (`decode_attention.cuh`) matters to the reads timed;
 each directory must hold all the CUDA files the kernels include.
