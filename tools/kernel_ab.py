@@ -20,28 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
-from bench import median, samples
+from bench import KINDS, Row, median, picks, print_rates, rate_rows, read_bandwidth, samples
 
 from kvspec.accelerated import (
     affine_kernels,
     attention_kernels,
-    caches,
     cuda_source,
     turboquant_kernels,
 )
 
-#: The kinds read, by name: a growable cache of each stored format the step table times.
-KINDS: dict[str, Callable[[], caches.Cache]] = {
-    "TurboQuantKVCache k8v4 dense": lambda: caches.TurboQuantKVCache(
-        8, 4, "dense", checks="deferred"
-    ),
-    "QuantizedKVCache 4-bit g64": lambda: caches.QuantizedKVCache(64, 4, checks="deferred"),
-    "KVCache": caches.KVCache,
-}
+#: The kinds read unless --kinds says otherwise (bench's names): a growable cache of each
+#: stored format the step table times.
+DEFAULT_KINDS = ("TurboQuantKVCache k8v4 dense", "QuantizedKVCache 4-bit g64", "KVCache")
 #: Each kernel module, the file its header includes, and its caches of kernel objects.
 KERNEL_MODULES = (
     (
@@ -102,7 +97,7 @@ def kind_rows(
     k = mx.random.normal((1, 8, context, 128)).astype(mx.bfloat16)
     new = mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16)
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
-    layer_caches = [KINDS[kind]() for _ in range(layers)]
+    layer_caches = [KINDS[kind](context + 8) for _ in range(layers)]
     for cache in layer_caches:
         cache.append_window(k, k)
     reads = [cache.append_decode(new, new) for cache in layer_caches]
@@ -129,37 +124,16 @@ def kind_rows(
     ]
 
 
-def rate_rows(rows: list[dict]) -> list[dict]:
-    """Per kind and source, the time a read adds from the first context to the last and
-    the rate at which that streams its stored bytes."""
-    rates = []
-    for kind in dict.fromkeys(row["kind"] for row in rows):
-        for name in dict.fromkeys(row["source"] for row in rows):
-            chosen = [row for row in rows if row["kind"] == kind and row["source"] == name]
-            first = min(chosen, key=lambda row: row["context"])
-            last = max(chosen, key=lambda row: row["context"])
-            added = last["us"] - first["us"]
-            if last["context"] == first["context"] or added <= 0:
-                continue
-            streamed = last["bytes_per_token"] * (last["context"] - first["context"])
-            rates.append(
-                {
-                    "kind": kind,
-                    "source": name,
-                    "added_us": added,
-                    "positions": last["context"] - first["context"],
-                    "rate": streamed / (added * 1e-6),
-                }
-            )
-    return rates
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", type=source, nargs="+", metavar="NAME=DIR")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument(
-        "--kinds", nargs="+", metavar="TEXT", help="kinds whose names hold a TEXT (or are it)"
+        "--kinds",
+        nargs="+",
+        metavar="TEXT",
+        help="bench's kinds whose names hold a TEXT (a whole name: that kind); by default "
+        + ", ".join(DEFAULT_KINDS),
     )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--turns", type=int, default=9)
@@ -168,18 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len({name for name, _ in args.sources}) != len(args.sources):
         parser.error("each source needs a name of its own")
-    # A TEXT that is a whole name picks that kind, else every kind whose name holds it.
-    kinds = [
-        kind
-        for kind in KINDS
-        if not args.kinds
-        or any(kind == text if text in KINDS else text in kind for text in args.kinds)
-    ]
+    chosen = args.kinds or DEFAULT_KINDS
+    kinds = [kind for kind in KINDS if any(picks(text, kind) for text in chosen)]
     if not kinds:
         parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
     if args.quick:
         args.contexts, args.layers, args.turns = [64, 96], 2, 2
     print(f"device: {mx.default_device()}  mlx {mx.__version__}  layers {args.layers}")
+    bandwidth = read_bandwidth(4 if args.quick else 1024, args.turns)
     print("read: µs per layer, median of the turns; diff: largest |output - first source's|")
     original = cuda_source.CUDA_DIR
     rows: list[dict] = []
@@ -194,15 +164,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows.append(row)
     finally:
         use_sources(original)
-    rates = rate_rows(rows)
-    for rate in rates:
-        print(
-            f"rate  {rate['kind']:30s}  {rate['source']:12s}  {rate['added_us']:9.1f} µs more "
-            f"over {rate['positions']} positions: {rate['rate'] / 1e12:.2f} TB/s"
+    # bench's rate table, a read for each kind and source.
+    reads = [
+        Row(
+            "attend",
+            f"{row['kind']} ({row['source']})",
+            row["context"],
+            row["us"],
+            1.0,
+            row["bytes_per_token"],
         )
+        for row in rows
+    ]
+    rates = rate_rows(reads, bandwidth)
+    if rates:
+        print_rates(rates, bandwidth, min(args.contexts))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(mx.default_device()), "rows": rows, "rates": rates}, f)
+            report = {"device": str(mx.default_device()), "bandwidth": bandwidth, "rows": rows}
+            json.dump({**report, "rates": [asdict(rate) for rate in rates]}, f)
     return 0
 
 

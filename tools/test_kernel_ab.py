@@ -29,13 +29,17 @@ def test_quick_run_reads_every_kind_under_each_source(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert {(row["kind"], row["context"], row["source"]) for row in rows} == {
-        (kind, context, name) for kind in kernel_ab.KINDS for context in (64, 96) for name in "ab"
+        (kind, context, name)
+        for kind in kernel_ab.DEFAULT_KINDS
+        for context in (64, 96)
+        for name in "ab"
     }
     for row in rows:
         assert row["us"] > 0 and row["bytes_per_token"] > 0
         assert row["max_diff"] == 0  # the same sources, the same outputs
-    for rate in report["rates"]:
-        assert rate["positions"] == 32 and rate["rate"] > 0
+    assert report["bandwidth"] > 0
+    for rate in report["rates"]:  # bench's rate rows, one per kind and source
+        assert rate["table"] == "rate" and rate["context"] == 96 and rate["ratio"] > 0
     assert original == cuda_source.CUDA_DIR
     assert header == attention_kernels._INCLUDE
 
@@ -57,8 +61,10 @@ def test_sources_need_names_of_their_own(tmp_path: Path, capsys) -> None:
     assert "name of its own" in capsys.readouterr().err
 
 
-def test_kinds_picks_a_whole_name_alone(tmp_path: Path) -> None:
+def test_kinds_picks_as_bench_does(tmp_path: Path) -> None:
     a = _copy_of_the_sources(tmp_path, "a")
     out = tmp_path / "rows.json"
-    assert kernel_ab.main([f"a={a}", "--quick", "--kinds", "KVCache", "--json", str(out)]) == 0
-    assert {row["kind"] for row in json.loads(out.read_text())["rows"]} == {"KVCache"}
+    argv = [f"a={a}", "--quick", "--kinds", "KVCache", "Rotating", "--json", str(out)]
+    assert kernel_ab.main(argv) == 0
+    kinds = {row["kind"] for row in json.loads(out.read_text())["rows"]}
+    assert kinds == {"KVCache", "RotatingKVCache", "RotatingQuantizedKVCache 4-bit g64"}
