@@ -298,14 +298,32 @@ class RecordFormat(NamedTuple):
 def supported(
     keys: SideFormat | StoredSide, values: SideFormat | StoredSide, kv_heads: int, query_heads: int
 ) -> bool:
-    """Whether the kernels take this read: a CUDA device, head dims they are built for, at
-    most MAX_GROUP query heads per KV head. (Stored fields are contiguous in their last
-    axis: caches slice them along positions only.)"""
+    """Whether the kernels take this read: a CUDA device, a read their CUDA-core body takes
+    (`cuda_core_fit`; the tensor-core body takes fewer), at most MAX_GROUP query heads per
+    KV head. (Stored fields are contiguous in their last axis: caches slice them along
+    positions only.)"""
     if not (mx.default_device() == mx.gpu and cuda_available()):
         return False
     if query_heads % kv_heads != 0 or query_heads // kv_heads > MAX_GROUP:
         return False
-    return keys.dim in HEAD_DIMS and values.dim in HEAD_DIMS
+    return cuda_core_fit(keys, values)
+
+
+def cuda_core_fit(keys: SideFormat | StoredSide, values: SideFormat | StoredSide) -> bool:
+    """Whether the CUDA-core body takes a read: head dims of HEAD_DIMS, and each lane's
+    share of a row (D / 32 elements) inside one group of a coded format. Affine codes at
+    head dims 96, 160 and 192 do not fit any group of 32, 64 or 128: they read on the
+    portable path."""
+    return _lanes_fit(keys, 32, HEAD_DIMS) and _lanes_fit(values, 32, HEAD_DIMS)
+
+
+def _lanes_fit(side: SideFormat | StoredSide, lanes: int, head_dims: tuple[int, ...]) -> bool:
+    """Whether a side's head dim is one of head_dims and each of `lanes` lanes' share of a
+    row (dim / lanes elements) lies inside one group of a coded format: a lane reads one
+    scale (and bias) a row."""
+    if side.dim not in head_dims:
+        return False
+    return side.fmt == PLAIN or side.group_size % (side.dim // lanes) == 0
 
 
 #: Head dims the tensor-core body takes: those its tests have run on a GPU (any multiple
@@ -317,13 +335,9 @@ def tensor_core_fit(keys: SideFormat | StoredSide, values: SideFormat | StoredSi
     """Whether the tensor-core body takes a read: head dims of TENSOR_CORE_HEAD_DIMS, and
     each lane's share of a row (D / 4 key elements, D / 8 value elements) inside one group
     of a coded format. Other reads run on CUDA cores."""
-
-    def fits(side: SideFormat | StoredSide, share: int) -> bool:
-        if side.dim not in TENSOR_CORE_HEAD_DIMS:
-            return False
-        return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0
-
-    return fits(keys, 4) and fits(values, 8)
+    return _lanes_fit(keys, 4, TENSOR_CORE_HEAD_DIMS) and _lanes_fit(
+        values, 8, TENSOR_CORE_HEAD_DIMS
+    )
 
 
 def _splits(T: int, blocks_per_split: int) -> int:
@@ -528,9 +542,13 @@ def _launch(
     plan = _plan(query_dtype, keys, values, Hq // Hk, _float_bits(scale), table_size, out_dtype)
     if tensor_cores is None:
         tensor_cores = tensor_core_fit(keys, values)
-    elif tensor_cores and not tensor_core_fit(keys, values):
+    if tensor_cores:
+        body, fits = "tensor-core", tensor_core_fit(keys, values)
+    else:
+        body, fits = "CUDA-core", cuda_core_fit(keys, values)
+    if not fits:
         raise ValueError(
-            "the tensor-core body does not take this read: head dims "
+            f"the {body} body does not take this read: head dims "
             f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
         )
     splits = _splits(T, B * Hk)

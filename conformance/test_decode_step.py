@@ -182,11 +182,16 @@ def _reference_read(ref: caches.Cache, k: np.ndarray, v: np.ndarray):
 def _cuda_core_attend(read, queries, scale: float):
     """The MLX backend's decode attention on its CUDA-core body (READ-7), for a read its
     tensor-core body would otherwise take."""
+    assert _on_tensor_cores(read)
+    return read.attend(queries, scale, tensor_cores=False)
+
+
+def _on_tensor_cores(read) -> bool:
+    """Whether the MLX backend's kernels take a read on their tensor-core body by default."""
     from kvspec.accelerated import attention_kernels
 
     keys, values, _, _ = attention_kernels.stored_formats(read.stored)
-    assert attention_kernels.tensor_core_fit(keys, values)
-    return read.attend(queries, scale, tensor_cores=False)
+    return attention_kernels.tensor_core_fit(keys, values)
 
 
 def _kernels_on_cuda(backend: Backend) -> bool:
@@ -195,6 +200,54 @@ def _kernels_on_cuda(backend: Backend) -> bool:
     import mlx.core as mx
 
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def _assert_reads_within_bound(
+    backend: Backend,
+    factory,
+    head_dim: int,
+    dtype: str,
+    groups: int,
+    lengths: list[int],
+    body: str,
+) -> None:
+    """Appends `lengths` (a window for L > 1, a decode step for L = 1) to a reference cache
+    and one of the backend's, and holds each decode read to READ-1's bound of the reference's
+    (READ-7). body: "default", "cuda-cores", or "each": the default and, where the kernels
+    would take the read on tensor cores, their CUDA-core body too."""
+    rng = np.random.default_rng(groups)
+    ref, acc = factory(caches), factory(backend.module("caches"))
+    for L in lengths:
+        k = _normal(rng, (1, 2, L, head_dim), dtype)
+        v = _normal(rng, (1, 2, L, head_dim), dtype)
+        queries = _normal(rng, (1, 2 * groups, 1, head_dim), dtype)
+        if L > 1:
+            ref.append_window(k, v)
+            acc.append_window(backend.from_numpy(k), backend.from_numpy(v))
+            continue
+        want = _reference_read(ref, k, v)
+        got = acc.append_decode(backend.from_numpy(k), backend.from_numpy(v))
+        scale = head_dim**-0.5
+        expected = want.attend(queries, scale).astype(np.float64)
+        attends = [got.attend] if body != "cuda-cores" else []
+        if body == "cuda-cores" or (
+            body == "each" and _kernels_on_cuda(backend) and _on_tensor_cores(got)
+        ):
+            attends.append(partial(_cuda_core_attend, got))
+        if isinstance(want, DeferredRead):
+            bound = deferred_attention_bound(
+                queries, want.keys, want.rotated_values, scale, backend.attention_roundoff
+            )
+        else:
+            bound = attention_bound(
+                queries, want.keys, want.values, scale, backend.attention_roundoff
+            )
+        for attend in attends:
+            actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
+            assert actual.shape == expected.shape
+            error = np.abs(actual.astype(np.float64) - expected)
+            assert np.all(error <= bound), f"error {error.max()} > bound {bound.min()}"
+    acc.check()
 
 
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))
@@ -209,37 +262,46 @@ def test_decode_read_of_stored_fields_is_within_bound(
         pytest.skip("the CUDA-core body of the decode-attention kernels runs on CUDA only")
     head_dim = 256 if kind.endswith("head256") else 128
     dtype = "float16" if kind == "kv" or kind.endswith("float16") else "bfloat16"
-    rng = np.random.default_rng(groups)
-    ref = READ_KINDS[kind](caches)
-    acc = READ_KINDS[kind](backend.module("caches"))
     # A prefill that crosses a growth step (CACHE-3) or wraps the ring, then decodes.
     lengths = [300, 1, 1] if not kind.startswith(("ring", "affine-ring")) else [37, 1, 9, 1]
-    for L in lengths:
-        k = _normal(rng, (1, 2, L, head_dim), dtype)
-        v = _normal(rng, (1, 2, L, head_dim), dtype)
-        queries = _normal(rng, (1, 2 * groups, 1, head_dim), dtype)
-        if L > 1:
-            ref.append_window(k, v)
-            acc.append_window(backend.from_numpy(k), backend.from_numpy(v))
-            continue
-        want = _reference_read(ref, k, v)
-        got = acc.append_decode(backend.from_numpy(k), backend.from_numpy(v))
-        scale = head_dim**-0.5
-        expected = want.attend(queries, scale).astype(np.float64)
-        attend = got.attend if body == "default" else partial(_cuda_core_attend, got)
-        actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
-        assert actual.shape == expected.shape
-        if isinstance(want, DeferredRead):
-            bound = deferred_attention_bound(
-                queries, want.keys, want.rotated_values, scale, backend.attention_roundoff
-            )
-        else:
-            bound = attention_bound(
-                queries, want.keys, want.values, scale, backend.attention_roundoff
-            )
-        error = np.abs(actual.astype(np.float64) - expected)
-        assert np.all(error <= bound), f"{kind}: error {error.max()} > bound {bound.min()}"
-    acc.check()
+    _assert_reads_within_bound(backend, READ_KINDS[kind], head_dim, dtype, groups, lengths, body)
+
+
+#: Every head dim the decode-attention kernels take (on CUDA: their HEAD_DIMS), each a
+#: template instance of its own: a lane's share of a row runs from one element (32, on CUDA
+#: cores) to sixteen (512).
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256, 512)
+
+#: Formats read at every head dim: plain rows of both 16-bit formats, affine codes of
+#: group 32 (which divides each head dim), TurboQuant where TQ-1 has a sign table.
+HEAD_DIM_KINDS = {
+    "kv bfloat16": (lambda c: c.KVCache(), "bfloat16"),
+    "kv float16": (lambda c: c.KVCache(), "float16"),
+    "affine-4-32": (lambda c: c.QuantizedKVCache(32, 4, checks="deferred"), "bfloat16"),
+    "affine-8-32": (lambda c: c.QuantizedKVCache(32, 8, checks="deferred"), "float16"),
+    "turbo-k8v4-dense": (lambda c: c.TurboQuantKVCache(8, 4, checks="deferred"), "bfloat16"),
+}
+
+
+def test_kernel_head_dims_are_the_kernels_own(backend: Backend) -> None:
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's kernels")
+    from kvspec.accelerated import attention_kernels
+
+    assert attention_kernels.HEAD_DIMS == KERNEL_HEAD_DIMS
+
+
+@pytest.mark.parametrize("kind", sorted(HEAD_DIM_KINDS))
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_decode_read_at_every_head_dim_is_within_bound(
+    backend: Backend, kind: str, head_dim: int
+) -> None:
+    """READ-7 at each head dim the kernels take, on each body that takes the read (on CUDA a
+    head dim whose template instance fails to build fails here)."""
+    factory, dtype = HEAD_DIM_KINDS[kind]
+    if kind.startswith("turbo") and head_dim not in turboquant.HEAD_DIMS:
+        pytest.skip(f"TQ-1 has no sign table for head_dim {head_dim}")
+    _assert_reads_within_bound(backend, factory, head_dim, dtype, 4, [40, 1, 1], "each")
 
 
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))
@@ -405,4 +467,40 @@ def test_tensor_core_fit_takes_the_head_dims_and_groups_it_was_tested_on(backend
             None,
             mx.bfloat16,
             tensor_cores=True,
+        )
+
+
+def test_cuda_core_fit_takes_reads_whose_lane_shares_lie_in_one_group(backend) -> None:
+    """READ-7: the CUDA-core body gives each of 32 lanes D/32 elements of a row and reads one
+    scale for them, so it takes a coded format only where that share lies in one group (not
+    affine rows of head dims 96, 160, 192, which read on the portable path); asked for such a
+    read, decode_attention refuses before anything is built."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's kernels")
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    def side(fmt: int, dim: int, group: int, bits: int = 4) -> kernels.StoredSide:
+        codes = mx.zeros((1, 1, 4, dim), mx.bfloat16)
+        return kernels.StoredSide(fmt, codes, None, None, bits, group, dim)
+
+    affine, plain = kernels.AFFINE, kernels.PLAIN
+    for dim in KERNEL_HEAD_DIMS:
+        assert kernels.cuda_core_fit(side(plain, dim, 0), side(plain, dim, 0))
+        fits = dim not in (96, 160, 192)
+        for group in (32, 64, 128):
+            assert kernels.cuda_core_fit(side(affine, dim, group), side(plain, dim, 0)) == fits
+            assert kernels.cuda_core_fit(side(plain, dim, 0), side(affine, dim, group)) == fits
+    assert not kernels.cuda_core_fit(side(plain, 48, 0), side(plain, 48, 0))
+    queries = mx.zeros((1, 2, 1, 96), mx.bfloat16)
+    with pytest.raises(ValueError, match="CUDA-core body does not take this read"):
+        kernels.decode_attention(
+            queries,
+            (side(affine, 96, 32), side(affine, 96, 32)),
+            0.1,
+            None,
+            None,
+            mx.bfloat16,
+            tensor_cores=False,
         )

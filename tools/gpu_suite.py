@@ -43,8 +43,8 @@ PROJECT = Path(__file__).resolve().parent.parent
 GPU_TESTS = (
     (
         "conformance/test_decode_step.py",
-        "decode attention over stored fields (READ-7), within the bound and exact over one "
-        "row; fused deferred encodes and checks "
+        "decode attention over stored fields (READ-7), within the bound at every head dim "
+        "the kernels take and exact over one row; fused deferred encodes and checks "
         "(DEFER-1 .. DEFER-3)",
     ),
     (

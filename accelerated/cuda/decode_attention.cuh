@@ -266,7 +266,11 @@ struct LaneRow {
         return p / (PER_PAIR_WORD / 2) * PER_PAIR_WORD + p % (PER_PAIR_WORD / 2);
     }
 
-    __device__ __forceinline__ void decode_pairs16(unsigned int (&pairs)[E / 2]) const {
+    // A template, so that rows of one element a lane (head dim 32 on CUDA cores, which
+    // never call it) declare no array of size zero.
+    template <int PAIRS>
+    __device__ __forceinline__ void decode_pairs16(unsigned int (&pairs)[PAIRS]) const {
+        static_assert(PAIRS == E / 2, "one word per pair of the lane's elements");
         if constexpr (FMT == 0) {
             #pragma unroll
             for (int p = 0; p < E / 2; ++p) pairs[p] = w[p];
