@@ -17,6 +17,7 @@ import pytest
 
 from kvspec.conformance.backend import Backend
 from kvspec.conformance.bounds import attention_bound, deferred_attention_bound
+from kvspec.conformance.cache_machine import assert_same_state
 from kvspec.conformance.compare import assert_same_bits, rank_of
 from kvspec.reference import affine, caches, turboquant
 from kvspec.reference.caches.turboquant import DeferredRead
@@ -247,6 +248,7 @@ def _assert_reads_within_bound(
             assert actual.shape == expected.shape
             error = np.abs(actual.astype(np.float64) - expected)
             assert np.all(error <= bound), f"error {error.max()} > bound {bound.min()}"
+    assert_same_state(ref, acc, backend)
     acc.check()
 
 
