@@ -71,20 +71,27 @@ def test_a_whole_name_picks_that_kind_alone() -> None:
     assert len(contained) > 1
 
 
-def test_rates_are_the_time_a_read_adds_between_contexts(capsys) -> None:
-    # 1152 bytes per token over 98304 more positions in 40 µs more: 2.83 TB/s.
+def test_rates_are_the_time_a_read_adds_between_consecutive_contexts(capsys) -> None:
+    # 1152 bytes per token over 98304 more positions in 40 µs more: 2.83 TB/s; from 4096 to
+    # 32768, 28672 more in 30 µs more: 1.10 TB/s.
     rows = [
-        bench.Row("attend", "affine", 32768, 60.0, 1.2, 1152),
         bench.Row("attend", "affine", 131072, 100.0, 2.0, 1152),
+        bench.Row("attend", "affine", 4096, 30.0, 1.2, 1152),
+        bench.Row("attend", "affine", 32768, 60.0, 1.2, 1152),
         bench.Row("attend", "flat", 32768, 50.0, 1.0, 4096),
         bench.Row("attend", "flat", 131072, 49.0, 1.0, 4096),  # no added time: no rate
         bench.Row("attend", "alone", 4096, 50.0, 1.0, 4096),  # one context: no rate
         bench.Row("step", "affine", 131072, 500.0, 5.0, 1152),
     ]
     rates = bench.rate_rows(rows, bandwidth=2.0e12)
-    assert [(row.table, row.what, row.context) for row in rates] == [("rate", "affine", 131072)]
-    (rate,) = rates
-    assert rate.us == pytest.approx(40.0)
-    assert rate.ratio * 2.0e12 == pytest.approx(1152 * 98304 / 40e-6)
-    bench.print_rates(rates, 2.0e12, 32768)
-    assert "2.83" in capsys.readouterr().out
+    assert [(row.table, row.what, row.from_context, row.context) for row in rates] == [
+        ("rate", "affine", 4096, 32768),
+        ("rate", "affine", 32768, 131072),
+    ]
+    early, late = rates
+    assert (early.us, late.us) == (pytest.approx(30.0), pytest.approx(40.0))
+    assert early.ratio * 2.0e12 == pytest.approx(1152 * 28672 / 30e-6)
+    assert late.ratio * 2.0e12 == pytest.approx(1152 * 98304 / 40e-6)
+    bench.print_rates(rates, 2.0e12)
+    out = capsys.readouterr().out
+    assert "2.83" in out and "1.10" in out
