@@ -274,13 +274,17 @@ def test_decode_read_of_stored_fields_is_within_bound(
 #: cores) to sixteen (512).
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256, 512)
 
-#: Formats read at every head dim: plain rows of both 16-bit formats, affine codes of
-#: group 32 (which divides each head dim), TurboQuant where TQ-1 has a sign table.
+#: Formats read at every head dim: plain rows of each input dtype, affine codes of group
+#: 32 (which divides each head dim) in whole pairs of a word (4, 8 bits) and straddling
+#: words (3, 6 bits), TurboQuant where TQ-1 has a sign table.
 HEAD_DIM_KINDS = {
     "kv bfloat16": (lambda c: c.KVCache(), "bfloat16"),
     "kv float16": (lambda c: c.KVCache(), "float16"),
+    "kv float32": (lambda c: c.KVCache(), "float32"),
     "affine-4-32": (lambda c: c.QuantizedKVCache(32, 4, checks="deferred"), "bfloat16"),
     "affine-8-32": (lambda c: c.QuantizedKVCache(32, 8, checks="deferred"), "float16"),
+    "affine-3-32": (lambda c: c.QuantizedKVCache(32, 3, checks="deferred"), "bfloat16"),
+    "affine-6-32": (lambda c: c.QuantizedKVCache(32, 6, checks="deferred"), "float32"),
     "turbo-k8v4-dense": (lambda c: c.TurboQuantKVCache(8, 4, checks="deferred"), "bfloat16"),
 }
 
