@@ -440,40 +440,49 @@ def test_a_failure_is_kept_past_later_good_appends(backend: Backend, kind: str) 
     cache.check()
 
 
+def _stored_side(fmt: int, dim: int, group: int, bits: int = 4):
+    """A stored side of the MLX backend's kernels, its fields never read (for their fits)."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    codes = mx.zeros((1, 1, 4, dim), mx.bfloat16)
+    return kernels.StoredSide(fmt, codes, None, None, bits, group, dim)
+
+
+def _assert_refused(sides: tuple, tensor_cores: bool, match: str) -> None:
+    """decode_attention, asked for a body that does not take `sides`, refuses before
+    anything is built."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    queries = mx.zeros((1, 2, 1, sides[0].dim), mx.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        kernels.decode_attention(
+            queries, sides, 0.1, None, None, mx.bfloat16, tensor_cores=tensor_cores
+        )
+
+
 def test_tensor_core_fit_takes_the_head_dims_and_groups_it_was_tested_on(backend) -> None:
     """READ-7: the tensor-core body is the default for head dims 64, 128 and 256 where a
     lane's share of a row lies in one group; asked for anything else, decode_attention
     refuses before anything is built."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's kernels")
-    import mlx.core as mx
-
     from kvspec.accelerated import attention_kernels as kernels
 
-    def side(fmt: int, dim: int, group: int, bits: int = 8) -> kernels.StoredSide:
-        codes = mx.zeros((1, 1, 4, dim), mx.bfloat16)
-        return kernels.StoredSide(fmt, codes, None, None, bits, group, dim)
-
-    plain = kernels.PLAIN
+    side = _stored_side
+    plain, affine = kernels.PLAIN, kernels.AFFINE
     assert kernels.tensor_core_fit(side(plain, 128, 0), side(plain, 128, 0))
-    assert kernels.tensor_core_fit(side(kernels.AFFINE, 256, 64), side(kernels.AFFINE, 256, 64))
+    assert kernels.tensor_core_fit(side(affine, 256, 64, 8), side(affine, 256, 64, 8))
     # A TurboQuant key row of 256 gives each lane 64 elements: two groups of 32.
     assert not kernels.tensor_core_fit(
-        side(kernels.TURBO_KEY, 256, 32), side(kernels.TURBO_VALUE, 256, 32)
+        side(kernels.TURBO_KEY, 256, 32, 8), side(kernels.TURBO_VALUE, 256, 32, 8)
     )
     assert not kernels.tensor_core_fit(side(plain, 96, 0), side(plain, 96, 0))
     assert not kernels.tensor_core_fit(side(plain, 512, 0), side(plain, 512, 0))
-    queries = mx.zeros((1, 2, 1, 96), mx.bfloat16)
-    with pytest.raises(ValueError, match="tensor-core body does not take this read"):
-        kernels.decode_attention(
-            queries,
-            (side(plain, 96, 0), side(plain, 96, 0)),
-            0.1,
-            None,
-            None,
-            mx.bfloat16,
-            tensor_cores=True,
-        )
+    _assert_refused((side(plain, 96, 0), side(plain, 96, 0)), True, "tensor-core body")
 
 
 def test_cuda_core_fit_takes_reads_whose_lane_shares_lie_in_one_group(backend) -> None:
@@ -483,14 +492,9 @@ def test_cuda_core_fit_takes_reads_whose_lane_shares_lie_in_one_group(backend) -
     read, decode_attention refuses before anything is built."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's kernels")
-    import mlx.core as mx
-
     from kvspec.accelerated import attention_kernels as kernels
 
-    def side(fmt: int, dim: int, group: int, bits: int = 4) -> kernels.StoredSide:
-        codes = mx.zeros((1, 1, 4, dim), mx.bfloat16)
-        return kernels.StoredSide(fmt, codes, None, None, bits, group, dim)
-
+    side = _stored_side
     affine, plain = kernels.AFFINE, kernels.PLAIN
     for dim in KERNEL_HEAD_DIMS:
         assert kernels.cuda_core_fit(side(plain, dim, 0), side(plain, dim, 0))
@@ -499,14 +503,4 @@ def test_cuda_core_fit_takes_reads_whose_lane_shares_lie_in_one_group(backend) -
             assert kernels.cuda_core_fit(side(affine, dim, group), side(plain, dim, 0)) == fits
             assert kernels.cuda_core_fit(side(plain, dim, 0), side(affine, dim, group)) == fits
     assert not kernels.cuda_core_fit(side(plain, 48, 0), side(plain, 48, 0))
-    queries = mx.zeros((1, 2, 1, 96), mx.bfloat16)
-    with pytest.raises(ValueError, match="CUDA-core body does not take this read"):
-        kernels.decode_attention(
-            queries,
-            (side(affine, 96, 32), side(affine, 96, 32)),
-            0.1,
-            None,
-            None,
-            mx.bfloat16,
-            tensor_cores=False,
-        )
+    _assert_refused((side(affine, 96, 32), side(affine, 96, 32)), False, "CUDA-core body")
