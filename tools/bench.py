@@ -14,8 +14,7 @@ plain-read bandwidth measured in this run; on CUDA, beside it, the same read on 
 CUDA-core body where the tensor-core body takes it; over two contexts or more, the time a
 read adds from each context to the next gives its stored bytes' rate (the `rate` table),
 the kernels' own, without the costs of a call, where both contexts' reads are bound by
-their kernels. Absolute times mean something only on the GPU
-machine.
+their kernels. Absolute times mean something only on the GPU machine.
 
     python tools/bench.py                       # the table at 1k .. 128k positions
     python tools/bench.py --contexts 4096 --json rows.json
