@@ -329,19 +329,48 @@ def test_a_decode_read_of_one_row_returns_its_values_as_decoded(
         )
     head_dim = 256 if kind.endswith("head256") else 128
     dtype = "float16" if kind == "kv" or kind.endswith("float16") else "bfloat16"
+    expected, read, queries, scale = _one_row_read(backend, READ_KINDS[kind], head_dim, dtype)
+    attend = read.attend if body == "default" else partial(_cuda_core_attend, read)
+    actual = backend.to_numpy(attend(queries, scale))
+    assert_same_bits(actual.astype(expected.dtype), expected, kind)
+
+
+def _one_row_read(backend: Backend, factory, head_dim: int, dtype: str):
+    """One position appended to a reference cache and to one of the backend's: the
+    reference's attention over it (float64), the backend's read, its queries and scale."""
     rng = np.random.default_rng(7)
     k = _normal(rng, (1, 2, 1, head_dim), dtype)
     v = _normal(rng, (1, 2, 1, head_dim), dtype)
     queries = _normal(rng, (1, 8, 1, head_dim), dtype)
-    want = _reference_read(READ_KINDS[kind](caches), k, v)
-    got = READ_KINDS[kind](backend.module("caches")).append_decode(
+    want = _reference_read(factory(caches), k, v)
+    read = factory(backend.module("caches")).append_decode(
         backend.from_numpy(k), backend.from_numpy(v)
     )
     scale = head_dim**-0.5
-    expected = want.attend(queries, scale)
-    attend = got.attend if body == "default" else partial(_cuda_core_attend, got)
-    actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
-    assert_same_bits(actual.astype(expected.dtype), expected, kind)
+    return want.attend(queries, scale), read, backend.from_numpy(queries), scale
+
+
+@pytest.mark.parametrize("kind", sorted(HEAD_DIM_KINDS))
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_a_decode_read_of_one_row_at_every_head_dim_returns_its_values_as_decoded(
+    backend: Backend, kind: str, head_dim: int
+) -> None:
+    """READ-7's exact operands (as `test_a_decode_read_of_one_row_returns_its_values_as_decoded`)
+    at each head dim the kernels take: on CUDA the CUDA-core body, and the default one unless
+    it is the tensor-core body over values that decode to float32 (TurboQuant's, float32
+    rows' and float32 scales' affine ones), which it truncates to TF32."""
+    factory, dtype = HEAD_DIM_KINDS[kind]
+    if kind.startswith("turbo") and head_dim not in turboquant.HEAD_DIMS:
+        pytest.skip(f"TQ-1 has no sign table for head_dim {head_dim}")
+    expected, read, queries, scale = _one_row_read(backend, factory, head_dim, dtype)
+    on_tensor_cores = _kernels_on_cuda(backend) and _on_tensor_cores(read)
+    values_float32 = dtype == "float32" or kind.startswith("turbo")
+    attends = [] if on_tensor_cores and values_float32 else [read.attend]
+    if on_tensor_cores:
+        attends.append(partial(_cuda_core_attend, read))
+    for attend in attends:
+        actual = backend.to_numpy(attend(queries, scale))
+        assert_same_bits(actual.astype(expected.dtype), expected, f"{kind} at {head_dim}")
 
 
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))
