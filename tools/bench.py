@@ -332,7 +332,7 @@ def eager_rows(
     if all(cores):
 
         def attend_on_cores() -> list[mx.array]:
-            return [attend() for attend in cores if attend is not None]
+            return [attend() for attend in cores]
 
         rows.append(row("attend", f"{name} on CUDA cores", attend_on_cores, True))
     return rows
