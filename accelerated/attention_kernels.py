@@ -310,20 +310,11 @@ def supported(
 
 
 def cuda_core_fit(keys: SideFormat | StoredSide, values: SideFormat | StoredSide) -> bool:
-    """Whether the CUDA-core body takes a read: head dims of HEAD_DIMS, and each lane's
-    share of a row (D / 32 elements) inside one group of a coded format. Affine codes at
-    head dims 96, 160 and 192 do not fit any group of 32, 64 or 128: they read on the
-    portable path."""
-    return _lanes_fit(keys, 32, HEAD_DIMS) and _lanes_fit(values, 32, HEAD_DIMS)
-
-
-def _lanes_fit(side: SideFormat | StoredSide, lanes: int, head_dims: tuple[int, ...]) -> bool:
-    """Whether a side's head dim is one of head_dims and each of `lanes` lanes' share of a
-    row (dim / lanes elements) lies inside one group of a coded format: a lane reads one
-    scale (and bias) a row."""
-    if side.dim not in head_dims:
-        return False
-    return side.fmt == PLAIN or side.group_size % (side.dim // lanes) == 0
+    """Whether the CUDA-core body takes a read: head dims of HEAD_DIMS. A lane's share of a
+    row (D / 32 elements, fewer than any group holds) lies in one group of a coded format
+    or reaches into the next (affine codes at head dims 96, 160 and 192), whose scale and
+    bias the lane reads too."""
+    return keys.dim in HEAD_DIMS and values.dim in HEAD_DIMS
 
 
 #: Head dims the tensor-core body takes: those its tests have run on a GPU (any multiple
@@ -335,9 +326,13 @@ def tensor_core_fit(keys: SideFormat | StoredSide, values: SideFormat | StoredSi
     """Whether the tensor-core body takes a read: head dims of TENSOR_CORE_HEAD_DIMS, and
     each lane's share of a row (D / 4 key elements, D / 8 value elements) inside one group
     of a coded format. Other reads run on CUDA cores."""
-    return _lanes_fit(keys, 4, TENSOR_CORE_HEAD_DIMS) and _lanes_fit(
-        values, 8, TENSOR_CORE_HEAD_DIMS
-    )
+
+    def fits(side: SideFormat | StoredSide, share: int) -> bool:
+        if side.dim not in TENSOR_CORE_HEAD_DIMS:
+            return False
+        return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0
+
+    return fits(keys, 4) and fits(values, 8)
 
 
 def _splits(T: int, blocks_per_split: int) -> int:

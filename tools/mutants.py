@@ -359,15 +359,6 @@ CATALOGUE = (
         (f"{STEP_OPS}::test_the_cuda_path_rejects_what_its_encoders_cannot_take_before_a_launch",),
     ),
     Mutant(
-        "mlx-cuda-core-lanes-across-groups",
-        "accelerated/attention_kernels.py",
-        "    return side.fmt == PLAIN or side.group_size % (side.dim // lanes) == 0\n",
-        "    return True\n",
-        "the decode-attention kernels take affine rows whose lane shares cross a group, "
-        "reading one scale for two groups (READ-7)",
-        (f"{DECODE}::test_cuda_core_fit_takes_reads_whose_lane_shares_lie_in_one_group",),
-    ),
-    Mutant(
         "mlx-affine-round-half-away",
         "accelerated/affine.py",
         "    steps = mx.round((groups - bias[..., None]) / scale[..., None])\n",

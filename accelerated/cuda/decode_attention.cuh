@@ -100,10 +100,25 @@ struct LaneRow {
     static constexpr bool HALF = LANE_BITS == 16;
     // Widths whose codes never straddle a word's halves (decode_pairs).
     static constexpr bool WHOLE_PAIRS = BITS == 2 || BITS == 4 || BITS == 8;
+    // Where E does not divide GROUP (affine codes at head dims 96, 160 and 192 on CUDA
+    // cores: E = 3, 5, 6) a lane's elements may reach into the next group (E < GROUP: at most
+    // two groups); elements from `second_group_start` on take that group's scale and bias.
+    // Such lanes' bits never fill whole words, so only the element-wise decode meets them.
+    static constexpr bool TWO_GROUPS = FMT != 0 && GROUP % E != 0;
+    static_assert(!(TWO_GROUPS && (WORDS || HALF)), "two groups decode element by element");
     unsigned int w[NW];
     const unsigned char* row;  // read at decode time when the lane's bits are not words
     S scale;
     S bias;
+    S scale2;
+    S bias2;
+
+    // The first of a lane's elements in its second group (E when it has none).
+    static __device__ __forceinline__ int second_group_start(int lane) {
+        const int first = lane * E;
+        const int last_group = (first + E - 1) / GROUP;
+        return last_group == first / GROUP ? E : last_group * GROUP - first;
+    }
 
     __device__ __forceinline__ void load(
         const C* codes, const S* scales, const S* biases,
@@ -115,10 +130,14 @@ struct LaneRow {
             w[0] = *reinterpret_cast<const unsigned short*>(row + lane * 2);
         }
         if constexpr (FMT != 0) {
-            // E divides GROUP: a lane's elements share one group.
             const int g = lane * E / GROUP;
             scale = scales[group_row + g];
             if constexpr (FMT != 3) bias = biases[group_row + g];
+            if constexpr (TWO_GROUPS) {
+                const int last_group = (lane * E + E - 1) / GROUP;
+                scale2 = scales[group_row + last_group];
+                if constexpr (FMT != 3) bias2 = biases[group_row + last_group];
+            }
         }
     }
 
@@ -166,14 +185,16 @@ struct LaneRow {
                 x[j] = __fmul_rn(__fsub_rn(__uint_as_float(biased), offset), s);
             }
         } else {
-            const float s = static_cast<float>(scale);
-            float z = 0.0f;
-            if constexpr (FMT != 3) z = static_cast<float>(bias);
-            // TQ-5's code + zero, exact: (2^23 + c) - (2^23 - zero); a signed 8-bit code
-            // reads as 2^23 + 128 + c (its sign bit flipped).
-            const float offset = (FMT == 2 && BITS == 8 ? 8388736.0f : 8388608.0f) - z;
+            const int second = TWO_GROUPS ? second_group_start(lane) : E;
             #pragma unroll
             for (int j = 0; j < E; ++j) {
+                const bool in_second = j >= second;
+                const float s = static_cast<float>(in_second ? scale2 : scale);
+                float z = 0.0f;
+                if constexpr (FMT != 3) z = static_cast<float>(in_second ? bias2 : bias);
+                // TQ-5's code + zero, exact: (2^23 + c) - (2^23 - zero); a signed 8-bit code
+                // reads as 2^23 + 128 + c (its sign bit flipped).
+                const float offset = (FMT == 2 && BITS == 8 ? 8388736.0f : 8388608.0f) - z;
                 const unsigned int c = element_bits(j, lane);
                 if constexpr (FMT == 1) {
                     // AFF-6: T(T(code * scale) + bias).
