@@ -7,9 +7,9 @@ unpacks its key code and value code straight from the packed bytes, decodes the 
 (code + zero) * scale and the value as centroid[code] * scale, and, unless the values
 stay rotated, the block unrotates them: butterflies at strides 1, 2, ..., D/2 (within a
 warp by shuffles, across warps through shared memory), one multiply by f32(1/sqrt(D)),
-then the signs. Encode: one thread per coordinate; a decode step's vectors (up to 1024
-threads' worth) take one block, more take blocks of 256 threads or one vector (whose
-barriers then wait on 8 warps, not 32); each runs TQ-4's key groups, TQ-6's rotation,
+then the signs. Encode: one thread per two coordinates; a decode step's vectors (up to
+1024 coordinates) take one block, more take blocks of 256 threads or one vector (whose
+barriers then wait on 8 warps, not 16); each runs TQ-4's key groups, TQ-6's rotation,
 TQ-7's rms and boundary search and TQ-9's packing, with DEFER-1's stored failures and
 DEFER-2's rank, and writes each position's fields as one record (accelerated/records.py).
 Every float step is an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`,
@@ -29,9 +29,11 @@ from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 #: Threads of one encode block (below, fused_encode), and of an encode's blocks when one
-#: block would need more.
-_ONE_BLOCK_THREADS = 1024
+#: block would need more: each thread encodes two elements of a row (encode_rows' P), and
+#: a block holds at most 1024 elements (its shared buffers).
+_ONE_BLOCK_THREADS = 512
 _BLOCK_THREADS = 256
+_ELEMENTS_PER_THREAD = 2
 
 #: The kernels' code (cuda_source.included): the source MLX builds at every call is a call.
 _INCLUDE = included("turboquant.cuh")
@@ -136,19 +138,20 @@ def fused_encode(
     """The five stored fields of k, v [B, H, L, D] (TQ-10) as one record uint8 [B, H, L,
     row_bytes] of `layout` (accelerated/records.py), in one launch, and the failure (uint32
     [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups that fail
-    are stored as DEFER-1 says. Rows that 1024 threads hold (a decode step's) take
+    are stored as DEFER-1 says. Rows of 1024 coordinates or fewer (a decode step's) take
     one block; more take blocks of 256 threads (at least one row), whose ranks are folded by
     one more op. Shapes, dtypes and widths are validated by the caller
     (turboquant.encode)."""
     B, H, L, D = k.shape
     rows = B * H * L
-    one_block = rows * D <= _ONE_BLOCK_THREADS
-    per_block = rows if one_block else max(1, _BLOCK_THREADS // D)
+    threads = D // _ELEMENTS_PER_THREAD
+    one_block = rows * threads <= _ONE_BLOCK_THREADS
+    per_block = rows if one_block else max(1, _BLOCK_THREADS // threads)
     blocks = -(-rows // per_block)
     record, totals = _encode_kernel(k.dtype, D, k_bits, v_bits, layout)(
         inputs=[k, v, boundaries, signs, prior],
-        grid=(blocks * D, per_block, 1),
-        threadgroup=(D, per_block, 1),
+        grid=(blocks * threads, per_block, 1),
+        threadgroup=(threads, per_block, 1),
         output_shapes=[(B, H, L, layout.row_bytes), (blocks,)],
         output_dtypes=[mx.uint8, mx.uint32],
     )

@@ -86,13 +86,19 @@ __device__ __forceinline__ void encode_rows(
     constexpr int KEY_BYTES = D * KBITS / 8;
     constexpr int VALUE_BYTES = D * VBITS / 8;
     constexpr int GROUP_BYTES = D / 32 * 2;
-    // Block: R rows (positions of a head) of D threads; thread (j, r) holds element j of
-    // row r. Warp w of a row is key group w and value group w (groups of 32).
-    const unsigned int j = threadIdx.x;
+    // Block: R rows (positions of a head) of D / 2 threads; thread (t, r) holds elements
+    // 2t and 2t + 1 of row r (P = 2), so a group of 32 elements is 16 lanes, half a warp:
+    // what a group computes once (its range, scale, zero point, rms, checks) costs half as
+    // many instructions per element as with one element a thread.
+    constexpr int P = 2;
+    constexpr int THREADS = D / P;
+    const unsigned int t = threadIdx.x;
     const unsigned int r = threadIdx.y;
     const unsigned int R = blockDim.y;
-    const unsigned int lane = j & 31;
-    const unsigned int group = j >> 5;
+    const unsigned int lane = t & 31;
+    const unsigned int group = t >> 4;
+    const bool group_first = (t & 15) == 0;
+    const unsigned int group_lanes = 0xFFFFu << (lane & 16);
     // k is [B, H, L, D] (the caller checks): constant indices, no loop over the shape.
     const unsigned long long rows =
         (unsigned long long)k_shape[0] * (unsigned long long)k_shape[1] * k_shape[2];
@@ -105,7 +111,7 @@ __device__ __forceinline__ void encode_rows(
     __half* const k_zeros = reinterpret_cast<__half*>(own_record + OFF_KZ);
     uint8_t* const v_packed = own_record + OFF_VP;
     __half* const v_scales = reinterpret_cast<__half*>(own_record + OFF_VS);
-    const unsigned long long base = row * D;
+    const unsigned long long base = row * D + P * t;
     __shared__ unsigned char key_codes[1024];
     __shared__ unsigned char value_codes[1024];
     __shared__ float lane_values[2][1024];
@@ -113,21 +119,26 @@ __device__ __forceinline__ void encode_rows(
     __shared__ unsigned int block_rank;
     unsigned char* own_keys = key_codes + r * D;
     unsigned char* own_values = value_codes + r * D;
-    // Ordered before the atomics below by the rotation's first barrier (D >= 64: TQ's
-    // head dims have a stride of 32 or more, which crosses warps).
-    if (j == 0) row_failures[r] = 0;
-    if (j == 0 && r == 0) block_rank = 0;
+    // Ordered before the atomics below: by the rotation's first barrier where D >= 128
+    // (strides of 64 elements cross warps), by a warp barrier at D = 64.
+    if (t == 0) row_failures[r] = 0;
+    if (t == 0 && r == 0) block_rank = 0;
     const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
 
     // TQ-4 keys: the group's range, scale, step and zero point, each one IEEE operation.
-    const float x = static_cast<float>(k[base + j]);
-    bool finite = isfinite(x);
-    float top = x, bottom = x;
-    for (int o = 16; o > 0; o >>= 1) {
+    float x[P];
+    bool finite = true;
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        x[e] = static_cast<float>(k[base + e]);
+        finite = finite && isfinite(x[e]);
+    }
+    float top = fmaxf(x[0], x[1]), bottom = fminf(x[0], x[1]);
+    for (int o = 8; o > 0; o >>= 1) {
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
         bottom = fminf(bottom, __shfl_xor_sync(0xffffffffu, bottom, o));
     }
-    finite = __all_sync(0xffffffffu, finite);
+    finite = (__ballot_sync(0xffffffffu, finite) & group_lanes) == group_lanes;
     const bool is_signed = KBITS == 8;
     const float levels = is_signed ? 254.0f : (float)((1 << KBITS) - 1);
     const float eps = 1e-8f;
@@ -148,106 +159,170 @@ __device__ __forceinline__ void encode_rows(
     const __half zero16 = __float2half_rn(zero);
     const bool scale_fits = isfinite(__half2float(scale16));
     const bool zero_fits = isfinite(__half2float(zero16));
-    float code = constant ? __fsub_rn(sign, zero) : rintf(__fsub_rn(__fdiv_rn(x, step), zero));
     const bool key_ok = finite && scale_fits && zero_fits;
-    if (is_signed) {
-        code = fminf(fmaxf(code, -127.0f), 127.0f);
-    } else {
-        code = fminf(fmaxf(code, 0.0f), levels);
+    int key_code[P];
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        float code =
+            constant ? __fsub_rn(sign, zero) : rintf(__fsub_rn(__fdiv_rn(x[e], step), zero));
+        if (is_signed) {
+            code = fminf(fmaxf(code, -127.0f), 127.0f);
+        } else {
+            code = fminf(fmaxf(code, 0.0f), levels);
+        }
+        // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
+        key_code[e] = key_ok ? (int)code : 0;
     }
-    // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
-    const int key_code = key_ok ? (int)code : 0;
-    if (is_signed) {
-        if (active) k_idx[j] = (signed char)key_code;
-    } else {
-        own_keys[j] = (unsigned char)key_code;
-    }
-    if (active && lane == 0) {
+    if (active && group_first) {
         k_scales[group] = key_ok ? scale16 : nan16;
         k_zeros[group] = key_ok ? zero16 : __float2half_rn(0.0f);
     }
 
     // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
-    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b: strides
-    // below 32 pair lanes of one warp (shuffles); wider ones pass through shared memory,
-    // a buffer per stride in turn, so one barrier a stride keeps every read before the
-    // next write to its buffer.
-    const float value = static_cast<float>(v[base + j]);
-    float rotated = __fmul_rn(value, signs[j]);
+    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b. Stride 1
+    // pairs a thread's own elements; strides up to 32 pair threads of one warp (shuffles at
+    // h / 2); wider ones pass through shared memory, a buffer per stride in turn, so one
+    // barrier a stride keeps every read before the next write to its buffer.
+    float value[P], rotated[P];
     #pragma unroll
-    for (unsigned int h = 1; h < 32 && h < D; h <<= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, rotated, h);
-        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    for (int e = 0; e < P; ++e) {
+        value[e] = static_cast<float>(v[base + e]);
+        rotated[e] = __fmul_rn(value[e], signs[P * t + e]);
+    }
+    {
+        const float a = rotated[0], b = rotated[1];
+        rotated[0] = __fadd_rn(a, b);
+        rotated[1] = __fsub_rn(a, b);
     }
     #pragma unroll
-    for (unsigned int h = 32, turn = 0; h < D; h <<= 1, turn ^= 1) {
+    for (unsigned int h = 2; h <= 32 && h < D; h <<= 1) {
+        const bool low = (t & (h / 2)) == 0;
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = __shfl_xor_sync(0xffffffffu, rotated[e], h / 2);
+            rotated[e] = low ? __fadd_rn(rotated[e], other) : __fsub_rn(other, rotated[e]);
+        }
+    }
+    #pragma unroll
+    for (unsigned int h = 64, turn = 0; h < D; h <<= 1, turn ^= 1) {
         float* own_lanes = lane_values[turn] + r * D;
-        own_lanes[j] = rotated;
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own_lanes[P * t + e] = rotated[e];
         __syncthreads();
-        const float other = own_lanes[j ^ h];
-        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+        const bool low = (t & (h / 2)) == 0;
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = own_lanes[(P * t + e) ^ h];
+            rotated[e] = low ? __fadd_rn(rotated[e], other) : __fsub_rn(other, rotated[e]);
+        }
     }
-    const float y = __fmul_rn(rotated, __int_as_float(INV_SQRT_BITS));
-    // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1).
-    float partial = __fmul_rn(y, y);
-    for (int w = 16; w > 0; w >>= 1) {
-        const float other = __shfl_down_sync(0xffffffffu, partial, w);
-        if (lane < (unsigned int)w) partial = __fadd_rn(partial, other);
+    float y[P], partial[P];
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        y[e] = __fmul_rn(rotated[e], __int_as_float(INV_SQRT_BITS));
+        partial[e] = __fmul_rn(y[e], y[e]);
     }
-    const float rms = __fsqrt_rn(__fdiv_rn(__shfl_sync(0xffffffffu, partial, 0), 32.0f));
+    // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1):
+    // element i + w of a step w >= 2 is the same element of the thread w / 2 lanes on; the
+    // last step adds the group's first thread's own two.
+    const unsigned int i0 = P * (t & 15);
+    for (int w = 16; w > 1; w >>= 1) {
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = __shfl_down_sync(0xffffffffu, partial[e], w / 2);
+            if (i0 + e < (unsigned int)w) partial[e] = __fadd_rn(partial[e], other);
+        }
+    }
+    const float sum = __shfl_sync(0xffffffffu, __fadd_rn(partial[0], partial[1]), lane & 16);
+    const float rms = __fsqrt_rn(__fdiv_rn(sum, 32.0f));
     const __half rms16 = __float2half_rn(rms);
     const bool value_ok = isfinite(__half2float(rms16));
-    const float u = __fdiv_rn(y, __fadd_rn(rms, eps));
-    // The number of boundaries strictly below u, by binary search over the sorted table.
-    unsigned int count = 0;
-    for (unsigned int stride = 1u << (VBITS - 1); stride >= 1; stride >>= 1) {
-        if (boundaries[count + stride - 1] < u) count += stride;
+    unsigned int value_code[P];
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const float u = __fdiv_rn(y[e], __fadd_rn(rms, eps));
+        // The number of boundaries strictly below u, by binary search over the sorted table.
+        unsigned int count = 0;
+        for (unsigned int stride = 1u << (VBITS - 1); stride >= 1; stride >>= 1) {
+            if (boundaries[count + stride - 1] < u) count += stride;
+        }
+        value_code[e] = value_ok ? count : 0u;
     }
-    own_values[j] = value_ok ? (unsigned char)count : 0;
-    if (active && lane == 0) v_scales[group] = value_ok ? rms16 : nan16;
+    if (active && group_first) v_scales[group] = value_ok ? rms16 : nan16;
 
     // DEFER-2: bit i of a row's failures is TQ-3's check i; the row's rank names its
     // lowest bit, the block's rank is the largest, folded into the prior one (DEFER-3).
     unsigned int bits = 0;
-    if (!finite && lane == 0) bits |= 1u;
-    if (!isfinite(value)) bits |= 2u;
-    if (!scale_fits && lane == 0) bits |= 4u;
-    if (!zero_fits && lane == 0) bits |= 8u;
-    if (!value_ok && lane == 0) bits |= 16u;
+    if (!finite && group_first) bits |= 1u;
+    if (!isfinite(value[0]) || !isfinite(value[1])) bits |= 2u;
+    if (!scale_fits && group_first) bits |= 4u;
+    if (!zero_fits && group_first) bits |= 8u;
+    if (!value_ok && group_first) bits |= 16u;
+    // A row of D = 64 is one warp, which passed no barrier since its first thread cleared
+    // the row's failures: order that before the atomics.
+    if constexpr (D < 128) __syncwarp();
     if (active && bits != 0) atomicOr(&row_failures[r], bits);
+
+    // TQ-9: each vector's codes as one LSB-first byte stream. 8-bit codes are a thread's
+    // two bytes, 4-bit codes its byte; other widths cross bytes and pass through shared
+    // memory, each byte then written by one thread.
+    if constexpr (KBITS == 8) {
+        if (active) {
+            const unsigned int two = (key_code[0] & 0xFF) | ((key_code[1] & 0xFF) << 8);
+            reinterpret_cast<unsigned short*>(k_idx)[t] = (unsigned short)two;
+        }
+    } else if constexpr (KBITS == 4) {
+        if (active) k_idx[t] = (unsigned char)(key_code[0] | (key_code[1] << 4));
+    } else {
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own_keys[P * t + e] = (unsigned char)key_code[e];
+    }
+    if constexpr (VBITS == 4) {
+        if (active) v_packed[t] = (unsigned char)(value_code[0] | (value_code[1] << 4));
+    } else if constexpr (VBITS == 8) {
+        if (active) {
+            const unsigned int two = value_code[0] | (value_code[1] << 8);
+            reinterpret_cast<unsigned short*>(v_packed)[t] = (unsigned short)two;
+        }
+    } else {
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own_values[P * t + e] = (unsigned char)value_code[e];
+    }
     __syncthreads();
-    if (j == 0 && row_failures[r] != 0) {
+    if (t == 0 && row_failures[r] != 0) {
         atomicMax(&block_rank, CHECKS - __ffs(row_failures[r]) + 1);
     }
-
-    // TQ-9: each vector's codes as one LSB-first byte stream; thread m writes byte m.
-    if (active && !is_signed && j < KEY_BYTES) {
-        unsigned int byte = 0;
-        for (unsigned int i = (8 * j) / KBITS; i <= (8 * j + 7) / KBITS; ++i) {
-            const int shift = (int)(i * KBITS) - (int)(8 * j);
-            const unsigned int c = own_keys[i];
-            byte |= shift >= 0 ? c << shift : c >> -shift;
+    if constexpr (KBITS != 8 && KBITS != 4) {
+        for (unsigned int m = t; active && m < KEY_BYTES; m += THREADS) {
+            unsigned int byte = 0;
+            for (unsigned int i = (8 * m) / KBITS; i <= (8 * m + 7) / KBITS; ++i) {
+                const int shift = (int)(i * KBITS) - (int)(8 * m);
+                const unsigned int c = own_keys[i];
+                byte |= shift >= 0 ? c << shift : c >> -shift;
+            }
+            k_idx[m] = (unsigned char)byte;
         }
-        k_idx[j] = (unsigned char)byte;
     }
-    if (active && j < VALUE_BYTES) {
-        unsigned int byte = 0;
-        for (unsigned int i = (8 * j) / VBITS; i <= (8 * j + 7) / VBITS; ++i) {
-            const int shift = (int)(i * VBITS) - (int)(8 * j);
-            const unsigned int c = own_values[i];
-            byte |= shift >= 0 ? c << shift : c >> -shift;
+    if constexpr (VBITS != 8 && VBITS != 4) {
+        for (unsigned int m = t; active && m < VALUE_BYTES; m += THREADS) {
+            unsigned int byte = 0;
+            for (unsigned int i = (8 * m) / VBITS; i <= (8 * m + 7) / VBITS; ++i) {
+                const int shift = (int)(i * VBITS) - (int)(8 * m);
+                const unsigned int c = own_values[i];
+                byte |= shift >= 0 ? c << shift : c >> -shift;
+            }
+            v_packed[m] = (unsigned char)byte;
         }
-        v_packed[j] = (unsigned char)byte;
     }
     // The record's bytes outside every field.
-    for (unsigned int b = j; active && b < ROW_BYTES; b += D) {
+    for (unsigned int b = t; active && b < ROW_BYTES; b += THREADS) {
         const bool in_field = (b >= OFF_KI && b < OFF_KI + KEY_BYTES) ||
             (b >= OFF_KS && b < OFF_KS + GROUP_BYTES) || (b >= OFF_KZ && b < OFF_KZ + GROUP_BYTES) ||
             (b >= OFF_VP && b < OFF_VP + VALUE_BYTES) || (b >= OFF_VS && b < OFF_VS + GROUP_BYTES);
         if (!in_field) own_record[b] = 0;
     }
     __syncthreads();
-    if (j == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);
+    if (t == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);
 }
 
 }  // namespace kvspec_tq
