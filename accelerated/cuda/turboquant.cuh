@@ -74,11 +74,44 @@ __device__ __forceinline__ void decode_row(
     values[base + j] = __fmul_rn(scaled, signs[j]);
 }
 
+// A thread's P codes of BITS bits as one LSB-first little-endian word of P * BITS bits
+// (TQ-9), stored at its own byte offset when that is whole bytes.
+template <int P, int BITS>
+__device__ __forceinline__ void store_codes(uint8_t* field, unsigned int t, const unsigned int (&codes)[P]) {
+    unsigned int word = 0;
+    #pragma unroll
+    for (int e = 0; e < P; ++e) word |= (codes[e] & ((1u << BITS) - 1u)) << (e * BITS);
+    constexpr int BYTES = P * BITS / 8;
+    if constexpr (BYTES == 1) {
+        field[t] = (uint8_t)word;
+    } else if constexpr (BYTES == 2) {
+        reinterpret_cast<unsigned short*>(field)[t] = (unsigned short)word;
+    } else {
+        reinterpret_cast<unsigned int*>(field)[t] = word;
+    }
+}
+
+// TQ-9 for codes whose P-code words are not whole bytes: each vector's codes as one
+// LSB-first byte stream through shared memory (`codes`, one byte a code); thread m writes
+// byte m (and m + THREADS).
+template <int BITS, int BYTES, int THREADS>
+__device__ __forceinline__ void pack_codes(uint8_t* field, unsigned int t, const unsigned char* codes) {
+    for (unsigned int m = t; m < BYTES; m += THREADS) {
+        unsigned int byte = 0;
+        for (unsigned int i = (8 * m) / BITS; i <= (8 * m + 7) / BITS; ++i) {
+            const int shift = (int)(i * BITS) - (int)(8 * m);
+            const unsigned int c = codes[i];
+            byte |= shift >= 0 ? c << shift : c >> -shift;
+        }
+        field[m] = (uint8_t)byte;
+    }
+}
+
 // TQ-3 .. TQ-10 in one pass: each block encodes R positions of a head, keys and values,
 // into one record per position (accelerated/records.py): ROW_BYTES bytes, the five fields at
 // byte offsets OFF_*, the bytes outside them (the row's end) zero.
-template <typename T, typename KI, int D, int KBITS, int VBITS, int INV_SQRT_BITS, int CHECKS,
-          int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
+template <typename T, typename KI, int D, int P, int KBITS, int VBITS, int INV_SQRT_BITS,
+          int CHECKS, int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
           typename Shape>
 __device__ __forceinline__ void encode_rows(
     const T* k, const Shape& k_shape, const T* v, const float* boundaries, const float* signs,
@@ -86,19 +119,24 @@ __device__ __forceinline__ void encode_rows(
     constexpr int KEY_BYTES = D * KBITS / 8;
     constexpr int VALUE_BYTES = D * VBITS / 8;
     constexpr int GROUP_BYTES = D / 32 * 2;
-    // Block: R rows (positions of a head) of D / 2 threads; thread (t, r) holds elements
-    // 2t and 2t + 1 of row r (P = 2), so a group of 32 elements is 16 lanes, half a warp:
-    // what a group computes once (its range, scale, zero point, rms, checks) costs half as
-    // many instructions per element as with one element a thread.
-    constexpr int P = 2;
+    // Block: R rows (positions of a head) of D / P threads; thread (t, r) holds elements
+    // P t .. P t + P - 1 of row r, so a group of 32 elements is 32 / P lanes: what a group
+    // computes once (its range, scale, zero point, rms, checks) is shared by P times fewer
+    // lanes than with one element a thread.
+    static_assert(P == 1 || P == 2 || P == 4, "1, 2 or 4 elements a thread");
     constexpr int THREADS = D / P;
+    constexpr int GROUP_LANES = 32 / P;
+    static_assert(THREADS >= 32, "a row fills whole warps");
     const unsigned int t = threadIdx.x;
     const unsigned int r = threadIdx.y;
     const unsigned int R = blockDim.y;
     const unsigned int lane = t & 31;
-    const unsigned int group = t >> 4;
-    const bool group_first = (t & 15) == 0;
-    const unsigned int group_lanes = 0xFFFFu << (lane & 16);
+    const unsigned int group = t / GROUP_LANES;
+    const unsigned int group_lane = t % GROUP_LANES;
+    const bool group_first = group_lane == 0;
+    const unsigned int first_lane = lane - group_lane;
+    const unsigned int group_mask =
+        GROUP_LANES == 32 ? 0xFFFFFFFFu : ((1u << GROUP_LANES) - 1u) << first_lane;
     // k is [B, H, L, D] (the caller checks): constant indices, no loop over the shape.
     const unsigned long long rows =
         (unsigned long long)k_shape[0] * (unsigned long long)k_shape[1] * k_shape[2];
@@ -119,8 +157,11 @@ __device__ __forceinline__ void encode_rows(
     __shared__ unsigned int block_rank;
     unsigned char* own_keys = key_codes + r * D;
     unsigned char* own_values = value_codes + r * D;
-    // Ordered before the atomics below: by the rotation's first barrier where D >= 128
-    // (strides of 64 elements cross warps), by a warp barrier at D = 64.
+    // Strides of 32 P elements and more cross warps (shared memory, a barrier each); a row
+    // of one warp (D <= 32 P) has none.
+    constexpr bool ONE_WARP = D <= 32 * P;
+    // Ordered before the atomics below by the rotation's first barrier, or a warp barrier
+    // where a row is one warp.
     if (t == 0) row_failures[r] = 0;
     if (t == 0 && r == 0) block_rank = 0;
     const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
@@ -133,12 +174,17 @@ __device__ __forceinline__ void encode_rows(
         x[e] = static_cast<float>(k[base + e]);
         finite = finite && isfinite(x[e]);
     }
-    float top = fmaxf(x[0], x[1]), bottom = fminf(x[0], x[1]);
-    for (int o = 8; o > 0; o >>= 1) {
+    float top = x[0], bottom = x[0];
+    #pragma unroll
+    for (int e = 1; e < P; ++e) {
+        top = fmaxf(top, x[e]);
+        bottom = fminf(bottom, x[e]);
+    }
+    for (int o = GROUP_LANES / 2; o > 0; o >>= 1) {
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
         bottom = fminf(bottom, __shfl_xor_sync(0xffffffffu, bottom, o));
     }
-    finite = (__ballot_sync(0xffffffffu, finite) & group_lanes) == group_lanes;
+    finite = (__ballot_sync(0xffffffffu, finite) & group_mask) == group_mask;
     const bool is_signed = KBITS == 8;
     const float levels = is_signed ? 254.0f : (float)((1 << KBITS) - 1);
     const float eps = 1e-8f;
@@ -160,7 +206,7 @@ __device__ __forceinline__ void encode_rows(
     const bool scale_fits = isfinite(__half2float(scale16));
     const bool zero_fits = isfinite(__half2float(zero16));
     const bool key_ok = finite && scale_fits && zero_fits;
-    int key_code[P];
+    unsigned int key_code[P];
     #pragma unroll
     for (int e = 0; e < P; ++e) {
         float code =
@@ -171,7 +217,7 @@ __device__ __forceinline__ void encode_rows(
             code = fminf(fmaxf(code, 0.0f), levels);
         }
         // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
-        key_code[e] = key_ok ? (int)code : 0;
+        key_code[e] = key_ok ? (unsigned int)(int)code : 0u;
     }
     if (active && group_first) {
         k_scales[group] = key_ok ? scale16 : nan16;
@@ -179,37 +225,43 @@ __device__ __forceinline__ void encode_rows(
     }
 
     // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
-    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b. Stride 1
-    // pairs a thread's own elements; strides up to 32 pair threads of one warp (shuffles at
-    // h / 2); wider ones pass through shared memory, a buffer per stride in turn, so one
-    // barrier a stride keeps every read before the next write to its buffer.
+    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b. Strides
+    // below P pair a thread's own elements; up to 16 P, threads of one warp (shuffles at
+    // h / P lanes); wider ones pass through shared memory, a buffer per stride in turn, so
+    // one barrier a stride keeps every read before the next write to its buffer.
     float value[P], rotated[P];
     #pragma unroll
     for (int e = 0; e < P; ++e) {
         value[e] = static_cast<float>(v[base + e]);
         rotated[e] = __fmul_rn(value[e], signs[P * t + e]);
     }
-    {
-        const float a = rotated[0], b = rotated[1];
-        rotated[0] = __fadd_rn(a, b);
-        rotated[1] = __fsub_rn(a, b);
-    }
     #pragma unroll
-    for (unsigned int h = 2; h <= 32 && h < D; h <<= 1) {
-        const bool low = (t & (h / 2)) == 0;
+    for (int h = 1; h < P; h <<= 1) {
+        float own[P];
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own[e] = rotated[e];
         #pragma unroll
         for (int e = 0; e < P; ++e) {
-            const float other = __shfl_xor_sync(0xffffffffu, rotated[e], h / 2);
+            const float other = own[e ^ h];
+            rotated[e] = (e & h) == 0 ? __fadd_rn(own[e], other) : __fsub_rn(other, own[e]);
+        }
+    }
+    #pragma unroll
+    for (unsigned int h = P; h < 32 * P && h < D; h <<= 1) {
+        const bool low = (t & (h / P)) == 0;
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = __shfl_xor_sync(0xffffffffu, rotated[e], h / P);
             rotated[e] = low ? __fadd_rn(rotated[e], other) : __fsub_rn(other, rotated[e]);
         }
     }
     #pragma unroll
-    for (unsigned int h = 64, turn = 0; h < D; h <<= 1, turn ^= 1) {
+    for (unsigned int h = 32 * P, turn = 0; h < D; h <<= 1, turn ^= 1) {
         float* own_lanes = lane_values[turn] + r * D;
         #pragma unroll
         for (int e = 0; e < P; ++e) own_lanes[P * t + e] = rotated[e];
         __syncthreads();
-        const bool low = (t & (h / 2)) == 0;
+        const bool low = (t & (h / P)) == 0;
         #pragma unroll
         for (int e = 0; e < P; ++e) {
             const float other = own_lanes[(P * t + e) ^ h];
@@ -223,21 +275,28 @@ __device__ __forceinline__ void encode_rows(
         partial[e] = __fmul_rn(y[e], y[e]);
     }
     // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1):
-    // element i + w of a step w >= 2 is the same element of the thread w / 2 lanes on; the
-    // last step adds the group's first thread's own two.
-    const unsigned int i0 = P * (t & 15);
-    for (int w = 16; w > 1; w >>= 1) {
+    // element i + w of a step w >= P is the same element of the thread w / P lanes on; the
+    // steps below P add a thread's own (those of the group's first thread count).
+    const unsigned int i0 = P * group_lane;
+    #pragma unroll
+    for (int w = 16; w >= P; w >>= 1) {
         #pragma unroll
         for (int e = 0; e < P; ++e) {
-            const float other = __shfl_down_sync(0xffffffffu, partial[e], w / 2);
+            const float other = __shfl_down_sync(0xffffffffu, partial[e], w / P);
             if (i0 + e < (unsigned int)w) partial[e] = __fadd_rn(partial[e], other);
         }
     }
-    const float sum = __shfl_sync(0xffffffffu, __fadd_rn(partial[0], partial[1]), lane & 16);
+    #pragma unroll
+    for (int w = P / 2; w >= 1; w >>= 1) {
+        #pragma unroll
+        for (int e = 0; e < w; ++e) partial[e] = __fadd_rn(partial[e], partial[e + w]);
+    }
+    const float sum = __shfl_sync(0xffffffffu, partial[0], first_lane);
     const float rms = __fsqrt_rn(__fdiv_rn(sum, 32.0f));
     const __half rms16 = __float2half_rn(rms);
     const bool value_ok = isfinite(__half2float(rms16));
     unsigned int value_code[P];
+    bool values_finite = true;
     #pragma unroll
     for (int e = 0; e < P; ++e) {
         const float u = __fdiv_rn(y[e], __fadd_rn(rms, eps));
@@ -247,6 +306,7 @@ __device__ __forceinline__ void encode_rows(
             if (boundaries[count + stride - 1] < u) count += stride;
         }
         value_code[e] = value_ok ? count : 0u;
+        values_finite = values_finite && isfinite(value[e]);
     }
     if (active && group_first) v_scales[group] = value_ok ? rms16 : nan16;
 
@@ -254,36 +314,25 @@ __device__ __forceinline__ void encode_rows(
     // lowest bit, the block's rank is the largest, folded into the prior one (DEFER-3).
     unsigned int bits = 0;
     if (!finite && group_first) bits |= 1u;
-    if (!isfinite(value[0]) || !isfinite(value[1])) bits |= 2u;
+    if (!values_finite) bits |= 2u;
     if (!scale_fits && group_first) bits |= 4u;
     if (!zero_fits && group_first) bits |= 8u;
     if (!value_ok && group_first) bits |= 16u;
-    // A row of D = 64 is one warp, which passed no barrier since its first thread cleared
-    // the row's failures: order that before the atomics.
-    if constexpr (D < 128) __syncwarp();
+    if constexpr (ONE_WARP) __syncwarp();
     if (active && bits != 0) atomicOr(&row_failures[r], bits);
 
-    // TQ-9: each vector's codes as one LSB-first byte stream. 8-bit codes are a thread's
-    // two bytes, 4-bit codes its byte; other widths cross bytes and pass through shared
-    // memory, each byte then written by one thread.
-    if constexpr (KBITS == 8) {
-        if (active) {
-            const unsigned int two = (key_code[0] & 0xFF) | ((key_code[1] & 0xFF) << 8);
-            reinterpret_cast<unsigned short*>(k_idx)[t] = (unsigned short)two;
-        }
-    } else if constexpr (KBITS == 4) {
-        if (active) k_idx[t] = (unsigned char)(key_code[0] | (key_code[1] << 4));
+    // TQ-9: each vector's codes as one LSB-first byte stream. A thread's P codes that fill
+    // whole bytes are stored by that thread; others pass through shared memory.
+    constexpr bool KEYS_WHOLE = P * KBITS % 8 == 0;
+    constexpr bool VALUES_WHOLE = P * VBITS % 8 == 0;
+    if constexpr (KEYS_WHOLE) {
+        if (active) store_codes<P, KBITS>(reinterpret_cast<uint8_t*>(k_idx), t, key_code);
     } else {
         #pragma unroll
         for (int e = 0; e < P; ++e) own_keys[P * t + e] = (unsigned char)key_code[e];
     }
-    if constexpr (VBITS == 4) {
-        if (active) v_packed[t] = (unsigned char)(value_code[0] | (value_code[1] << 4));
-    } else if constexpr (VBITS == 8) {
-        if (active) {
-            const unsigned int two = value_code[0] | (value_code[1] << 8);
-            reinterpret_cast<unsigned short*>(v_packed)[t] = (unsigned short)two;
-        }
+    if constexpr (VALUES_WHOLE) {
+        if (active) store_codes<P, VBITS>(v_packed, t, value_code);
     } else {
         #pragma unroll
         for (int e = 0; e < P; ++e) own_values[P * t + e] = (unsigned char)value_code[e];
@@ -292,27 +341,11 @@ __device__ __forceinline__ void encode_rows(
     if (t == 0 && row_failures[r] != 0) {
         atomicMax(&block_rank, CHECKS - __ffs(row_failures[r]) + 1);
     }
-    if constexpr (KBITS != 8 && KBITS != 4) {
-        for (unsigned int m = t; active && m < KEY_BYTES; m += THREADS) {
-            unsigned int byte = 0;
-            for (unsigned int i = (8 * m) / KBITS; i <= (8 * m + 7) / KBITS; ++i) {
-                const int shift = (int)(i * KBITS) - (int)(8 * m);
-                const unsigned int c = own_keys[i];
-                byte |= shift >= 0 ? c << shift : c >> -shift;
-            }
-            k_idx[m] = (unsigned char)byte;
-        }
+    if constexpr (!KEYS_WHOLE) {
+        if (active) pack_codes<KBITS, KEY_BYTES, THREADS>(reinterpret_cast<uint8_t*>(k_idx), t, own_keys);
     }
-    if constexpr (VBITS != 8 && VBITS != 4) {
-        for (unsigned int m = t; active && m < VALUE_BYTES; m += THREADS) {
-            unsigned int byte = 0;
-            for (unsigned int i = (8 * m) / VBITS; i <= (8 * m + 7) / VBITS; ++i) {
-                const int shift = (int)(i * VBITS) - (int)(8 * m);
-                const unsigned int c = own_values[i];
-                byte |= shift >= 0 ? c << shift : c >> -shift;
-            }
-            v_packed[m] = (unsigned char)byte;
-        }
+    if constexpr (!VALUES_WHOLE) {
+        if (active) pack_codes<VBITS, VALUE_BYTES, THREADS>(v_packed, t, own_values);
     }
     // The record's bytes outside every field.
     for (unsigned int b = t; active && b < ROW_BYTES; b += THREADS) {
