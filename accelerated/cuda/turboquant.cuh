@@ -74,6 +74,8 @@ __device__ __forceinline__ void decode_row(
     values[base + j] = __fmul_rn(scaled, signs[j]);
 }
 
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
 // A thread's P codes of BITS bits as one LSB-first little-endian word of P * BITS bits
 // (TQ-9), stored at its own byte offset when that is whole bytes.
 template <int P, int BITS>
@@ -347,12 +349,14 @@ __device__ __forceinline__ void encode_rows(
     if constexpr (!VALUES_WHOLE) {
         if (active) pack_codes<VBITS, VALUE_BYTES, THREADS>(v_packed, t, own_values);
     }
-    // The record's bytes outside every field.
-    for (unsigned int b = t; active && b < ROW_BYTES; b += THREADS) {
-        const bool in_field = (b >= OFF_KI && b < OFF_KI + KEY_BYTES) ||
-            (b >= OFF_KS && b < OFF_KS + GROUP_BYTES) || (b >= OFF_KZ && b < OFF_KZ + GROUP_BYTES) ||
-            (b >= OFF_VP && b < OFF_VP + VALUE_BYTES) || (b >= OFF_VS && b < OFF_VS + GROUP_BYTES);
-        if (!in_field) own_record[b] = 0;
+    // The record's bytes outside every field: its fields leave no gap (records.py places
+    // the widest alignments first), so those past the last field's end.
+    constexpr int FIELDS_END = cmax(cmax(cmax(OFF_KI + KEY_BYTES, OFF_KS + GROUP_BYTES),
+                                         cmax(OFF_KZ + GROUP_BYTES, OFF_VP + VALUE_BYTES)),
+                                    OFF_VS + GROUP_BYTES);
+    static_assert(FIELDS_END == KEY_BYTES + VALUE_BYTES + 3 * GROUP_BYTES, "no gap");
+    for (unsigned int b = FIELDS_END + t; active && b < ROW_BYTES; b += THREADS) {
+        own_record[b] = 0;
     }
     __syncthreads();
     if (t == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);
