@@ -7,9 +7,9 @@ unpacks its key code and value code straight from the packed bytes, decodes the 
 (code + zero) * scale and the value as centroid[code] * scale, and, unless the values
 stay rotated, the block unrotates them: butterflies at strides 1, 2, ..., D/2 (within a
 warp by shuffles, across warps through shared memory), one multiply by f32(1/sqrt(D)),
-then the signs. Encode: one thread per coordinate; a decode step's vectors (up to 1024
-threads' worth) take one block, more take blocks of 256 threads or one vector (whose
-barriers then wait on 8 warps, not 32); each runs TQ-4's key groups, TQ-6's rotation,
+then the signs. Encode: one thread per ELEMENTS_PER_THREAD coordinates; a decode step's
+vectors (up to 1024 coordinates) take one block, more take blocks of 256 threads or one
+vector; each runs TQ-4's key groups, TQ-6's rotation,
 TQ-7's rms and boundary search and TQ-9's packing, with DEFER-1's stored failures and
 DEFER-2's rank, and writes each position's fields as one record (accelerated/records.py).
 Every float step is an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`,
@@ -28,9 +28,12 @@ from kvspec.accelerated.records import RecordLayout
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
-#: Threads of one encode block (below, fused_encode), and of an encode's blocks when one
-#: block would need more.
-_ONE_BLOCK_THREADS = 1024
+#: Elements of a row each encode thread takes (encode_rows' P: 1, 2 or 4; fewer where a
+#: row would not fill a warp). Elements of one encode block (below, fused_encode: its
+#: shared buffers hold 1024), and threads of an encode's blocks when one block would need
+#: more elements.
+ELEMENTS_PER_THREAD = 4
+_ONE_BLOCK_ELEMENTS = 1024
 _BLOCK_THREADS = 256
 
 #: The kernels' code (cuda_source.included): the source MLX builds at every call is a call.
@@ -40,8 +43,9 @@ _DECODE_CALL = (
     "v_packed, v_scales, centroids, signs, keys, values);"
 )
 _ENCODE_CALL = (
-    "kvspec_tq::encode_rows<T, KI, D, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, OFF_KI, "
-    "OFF_KS, OFF_KZ, OFF_VP, OFF_VS>(k, k_shape, v, boundaries, signs, prior, record, total);"
+    "kvspec_tq::encode_rows<T, KI, D, P, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, "
+    "OFF_KI, OFF_KS, OFF_KZ, OFF_VP, OFF_VS>(k, k_shape, v, boundaries, signs, prior, record, "
+    "total);"
 )
 
 
@@ -99,13 +103,14 @@ def fused_decode(
 
 @cache
 def _encode_kernel(
-    dtype: mx.Dtype, D: int, k_bits: int, v_bits: int, layout: RecordLayout
+    dtype: mx.Dtype, D: int, elements: int, k_bits: int, v_bits: int, layout: RecordLayout
 ) -> object:
     offsets = zip(("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS"), layout.offsets, strict=True)
     constants = (
         ("T", dtype),  # names the instance: NVRTC compiles one per input dtype
         ("KI", mx.int8 if k_bits == 8 else mx.uint8),
         ("D", D),
+        ("P", elements),
         ("KBITS", k_bits),
         ("VBITS", v_bits),
         ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
@@ -136,19 +141,22 @@ def fused_encode(
     """The five stored fields of k, v [B, H, L, D] (TQ-10) as one record uint8 [B, H, L,
     row_bytes] of `layout` (accelerated/records.py), in one launch, and the failure (uint32
     [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups that fail
-    are stored as DEFER-1 says. Rows that 1024 threads hold (a decode step's) take
+    are stored as DEFER-1 says. Rows of 1024 coordinates or fewer (a decode step's) take
     one block; more take blocks of 256 threads (at least one row), whose ranks are folded by
     one more op. Shapes, dtypes and widths are validated by the caller
     (turboquant.encode)."""
     B, H, L, D = k.shape
     rows = B * H * L
-    one_block = rows * D <= _ONE_BLOCK_THREADS
-    per_block = rows if one_block else max(1, _BLOCK_THREADS // D)
+    # A row fills whole warps (encode_rows): head dim 64 takes two elements a thread.
+    elements = min(ELEMENTS_PER_THREAD, D // 32)
+    threads = D // elements
+    one_block = rows * D <= _ONE_BLOCK_ELEMENTS
+    per_block = rows if one_block else max(1, _BLOCK_THREADS // threads)
     blocks = -(-rows // per_block)
-    record, totals = _encode_kernel(k.dtype, D, k_bits, v_bits, layout)(
+    record, totals = _encode_kernel(k.dtype, D, elements, k_bits, v_bits, layout)(
         inputs=[k, v, boundaries, signs, prior],
-        grid=(blocks * D, per_block, 1),
-        threadgroup=(D, per_block, 1),
+        grid=(blocks * threads, per_block, 1),
+        threadgroup=(threads, per_block, 1),
         output_shapes=[(B, H, L, layout.row_bytes), (blocks,)],
         output_dtypes=[mx.uint8, mx.uint32],
     )

@@ -74,11 +74,46 @@ __device__ __forceinline__ void decode_row(
     values[base + j] = __fmul_rn(scaled, signs[j]);
 }
 
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+// A thread's P codes of BITS bits as one LSB-first little-endian word of P * BITS bits
+// (TQ-9), stored at its own byte offset when that is whole bytes.
+template <int P, int BITS>
+__device__ __forceinline__ void store_codes(uint8_t* field, unsigned int t, const unsigned int (&codes)[P]) {
+    unsigned int word = 0;
+    #pragma unroll
+    for (int e = 0; e < P; ++e) word |= (codes[e] & ((1u << BITS) - 1u)) << (e * BITS);
+    constexpr int BYTES = P * BITS / 8;
+    if constexpr (BYTES == 1) {
+        field[t] = (uint8_t)word;
+    } else if constexpr (BYTES == 2) {
+        reinterpret_cast<unsigned short*>(field)[t] = (unsigned short)word;
+    } else {
+        reinterpret_cast<unsigned int*>(field)[t] = word;
+    }
+}
+
+// TQ-9 for codes whose P-code words are not whole bytes: each vector's codes as one
+// LSB-first byte stream through shared memory (`codes`, one byte a code); thread m writes
+// byte m (and m + THREADS).
+template <int BITS, int BYTES, int THREADS>
+__device__ __forceinline__ void pack_codes(uint8_t* field, unsigned int t, const unsigned char* codes) {
+    for (unsigned int m = t; m < BYTES; m += THREADS) {
+        unsigned int byte = 0;
+        for (unsigned int i = (8 * m) / BITS; i <= (8 * m + 7) / BITS; ++i) {
+            const int shift = (int)(i * BITS) - (int)(8 * m);
+            const unsigned int c = codes[i];
+            byte |= shift >= 0 ? c << shift : c >> -shift;
+        }
+        field[m] = (uint8_t)byte;
+    }
+}
+
 // TQ-3 .. TQ-10 in one pass: each block encodes R positions of a head, keys and values,
 // into one record per position (accelerated/records.py): ROW_BYTES bytes, the five fields at
 // byte offsets OFF_*, the bytes outside them (the row's end) zero.
-template <typename T, typename KI, int D, int KBITS, int VBITS, int INV_SQRT_BITS, int CHECKS,
-          int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
+template <typename T, typename KI, int D, int P, int KBITS, int VBITS, int INV_SQRT_BITS,
+          int CHECKS, int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
           typename Shape>
 __device__ __forceinline__ void encode_rows(
     const T* k, const Shape& k_shape, const T* v, const float* boundaries, const float* signs,
@@ -86,13 +121,24 @@ __device__ __forceinline__ void encode_rows(
     constexpr int KEY_BYTES = D * KBITS / 8;
     constexpr int VALUE_BYTES = D * VBITS / 8;
     constexpr int GROUP_BYTES = D / 32 * 2;
-    // Block: R rows (positions of a head) of D threads; thread (j, r) holds element j of
-    // row r. Warp w of a row is key group w and value group w (groups of 32).
-    const unsigned int j = threadIdx.x;
+    // Block: R rows (positions of a head) of D / P threads; thread (t, r) holds elements
+    // P t .. P t + P - 1 of row r, so a group of 32 elements is 32 / P lanes: what a group
+    // computes once (its range, scale, zero point, rms, checks) is shared by P times fewer
+    // lanes than with one element a thread.
+    static_assert(P == 1 || P == 2 || P == 4, "1, 2 or 4 elements a thread");
+    constexpr int THREADS = D / P;
+    constexpr int GROUP_LANES = 32 / P;
+    static_assert(THREADS >= 32, "a row fills whole warps");
+    const unsigned int t = threadIdx.x;
     const unsigned int r = threadIdx.y;
     const unsigned int R = blockDim.y;
-    const unsigned int lane = j & 31;
-    const unsigned int group = j >> 5;
+    const unsigned int lane = t & 31;
+    const unsigned int group = t / GROUP_LANES;
+    const unsigned int group_lane = t % GROUP_LANES;
+    const bool group_first = group_lane == 0;
+    const unsigned int first_lane = lane - group_lane;
+    const unsigned int group_mask =
+        GROUP_LANES == 32 ? 0xFFFFFFFFu : ((1u << GROUP_LANES) - 1u) << first_lane;
     // k is [B, H, L, D] (the caller checks): constant indices, no loop over the shape.
     const unsigned long long rows =
         (unsigned long long)k_shape[0] * (unsigned long long)k_shape[1] * k_shape[2];
@@ -105,7 +151,7 @@ __device__ __forceinline__ void encode_rows(
     __half* const k_zeros = reinterpret_cast<__half*>(own_record + OFF_KZ);
     uint8_t* const v_packed = own_record + OFF_VP;
     __half* const v_scales = reinterpret_cast<__half*>(own_record + OFF_VS);
-    const unsigned long long base = row * D;
+    const unsigned long long base = row * D + P * t;
     __shared__ unsigned char key_codes[1024];
     __shared__ unsigned char value_codes[1024];
     __shared__ float lane_values[2][1024];
@@ -113,21 +159,34 @@ __device__ __forceinline__ void encode_rows(
     __shared__ unsigned int block_rank;
     unsigned char* own_keys = key_codes + r * D;
     unsigned char* own_values = value_codes + r * D;
-    // Ordered before the atomics below by the rotation's first barrier (D >= 64: TQ's
-    // head dims have a stride of 32 or more, which crosses warps).
-    if (j == 0) row_failures[r] = 0;
-    if (j == 0 && r == 0) block_rank = 0;
+    // Strides of 32 P elements and more cross warps (shared memory, a barrier each); a row
+    // of one warp (D <= 32 P) has none.
+    constexpr bool ONE_WARP = D <= 32 * P;
+    // Ordered before the atomics below by the rotation's first barrier, or a warp barrier
+    // where a row is one warp.
+    if (t == 0) row_failures[r] = 0;
+    if (t == 0 && r == 0) block_rank = 0;
     const __half nan16 = __ushort_as_half((unsigned short)0x7E00);
 
     // TQ-4 keys: the group's range, scale, step and zero point, each one IEEE operation.
-    const float x = static_cast<float>(k[base + j]);
-    bool finite = isfinite(x);
-    float top = x, bottom = x;
-    for (int o = 16; o > 0; o >>= 1) {
+    float x[P];
+    bool finite = true;
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        x[e] = static_cast<float>(k[base + e]);
+        finite = finite && isfinite(x[e]);
+    }
+    float top = x[0], bottom = x[0];
+    #pragma unroll
+    for (int e = 1; e < P; ++e) {
+        top = fmaxf(top, x[e]);
+        bottom = fminf(bottom, x[e]);
+    }
+    for (int o = GROUP_LANES / 2; o > 0; o >>= 1) {
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
         bottom = fminf(bottom, __shfl_xor_sync(0xffffffffu, bottom, o));
     }
-    finite = __all_sync(0xffffffffu, finite);
+    finite = (__ballot_sync(0xffffffffu, finite) & group_mask) == group_mask;
     const bool is_signed = KBITS == 8;
     const float levels = is_signed ? 254.0f : (float)((1 << KBITS) - 1);
     const float eps = 1e-8f;
@@ -148,106 +207,159 @@ __device__ __forceinline__ void encode_rows(
     const __half zero16 = __float2half_rn(zero);
     const bool scale_fits = isfinite(__half2float(scale16));
     const bool zero_fits = isfinite(__half2float(zero16));
-    float code = constant ? __fsub_rn(sign, zero) : rintf(__fsub_rn(__fdiv_rn(x, step), zero));
     const bool key_ok = finite && scale_fits && zero_fits;
-    if (is_signed) {
-        code = fminf(fmaxf(code, -127.0f), 127.0f);
-    } else {
-        code = fminf(fmaxf(code, 0.0f), levels);
+    unsigned int key_code[P];
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        float code =
+            constant ? __fsub_rn(sign, zero) : rintf(__fsub_rn(__fdiv_rn(x[e], step), zero));
+        if (is_signed) {
+            code = fminf(fmaxf(code, -127.0f), 127.0f);
+        } else {
+            code = fminf(fmaxf(code, 0.0f), levels);
+        }
+        // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
+        key_code[e] = key_ok ? (unsigned int)(int)code : 0u;
     }
-    // DEFER-1: a group the format cannot hold stores codes 0, zero 0 and a NaN scale.
-    const int key_code = key_ok ? (int)code : 0;
-    if (is_signed) {
-        if (active) k_idx[j] = (signed char)key_code;
-    } else {
-        own_keys[j] = (unsigned char)key_code;
-    }
-    if (active && lane == 0) {
+    if (active && group_first) {
         k_scales[group] = key_ok ? scale16 : nan16;
         k_zeros[group] = key_ok ? zero16 : __float2half_rn(0.0f);
     }
 
     // TQ-6 rotation: the signs, butterflies at strides 1 .. D/2, then f32(1/sqrt(D)).
-    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b: strides
-    // below 32 pair lanes of one warp (shuffles); wider ones pass through shared memory,
-    // a buffer per stride in turn, so one barrier a stride keeps every read before the
-    // next write to its buffer.
-    const float value = static_cast<float>(v[base + j]);
-    float rotated = __fmul_rn(value, signs[j]);
+    // Element j of a butterfly pair (j, j + h) becomes a + b, element j + h a - b. Strides
+    // below P pair a thread's own elements; up to 16 P, threads of one warp (shuffles at
+    // h / P lanes); wider ones pass through shared memory, a buffer per stride in turn, so
+    // one barrier a stride keeps every read before the next write to its buffer.
+    float value[P], rotated[P];
     #pragma unroll
-    for (unsigned int h = 1; h < 32 && h < D; h <<= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, rotated, h);
-        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+    for (int e = 0; e < P; ++e) {
+        value[e] = static_cast<float>(v[base + e]);
+        rotated[e] = __fmul_rn(value[e], signs[P * t + e]);
     }
     #pragma unroll
-    for (unsigned int h = 32, turn = 0; h < D; h <<= 1, turn ^= 1) {
+    for (int h = 1; h < P; h <<= 1) {
+        float own[P];
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own[e] = rotated[e];
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = own[e ^ h];
+            rotated[e] = (e & h) == 0 ? __fadd_rn(own[e], other) : __fsub_rn(other, own[e]);
+        }
+    }
+    #pragma unroll
+    for (unsigned int h = P; h < 32 * P && h < D; h <<= 1) {
+        const bool low = (t & (h / P)) == 0;
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = __shfl_xor_sync(0xffffffffu, rotated[e], h / P);
+            rotated[e] = low ? __fadd_rn(rotated[e], other) : __fsub_rn(other, rotated[e]);
+        }
+    }
+    #pragma unroll
+    for (unsigned int h = 32 * P, turn = 0; h < D; h <<= 1, turn ^= 1) {
         float* own_lanes = lane_values[turn] + r * D;
-        own_lanes[j] = rotated;
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own_lanes[P * t + e] = rotated[e];
         __syncthreads();
-        const float other = own_lanes[j ^ h];
-        rotated = (j & h) == 0 ? __fadd_rn(rotated, other) : __fsub_rn(other, rotated);
+        const bool low = (t & (h / P)) == 0;
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = own_lanes[(P * t + e) ^ h];
+            rotated[e] = low ? __fadd_rn(rotated[e], other) : __fsub_rn(other, rotated[e]);
+        }
     }
-    const float y = __fmul_rn(rotated, __int_as_float(INV_SQRT_BITS));
-    // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1).
-    float partial = __fmul_rn(y, y);
-    for (int w = 16; w > 0; w >>= 1) {
-        const float other = __shfl_down_sync(0xffffffffu, partial, w);
-        if (lane < (unsigned int)w) partial = __fadd_rn(partial, other);
+    float y[P], partial[P];
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        y[e] = __fmul_rn(rotated[e], __int_as_float(INV_SQRT_BITS));
+        partial[e] = __fmul_rn(y[e], y[e]);
     }
-    const float rms = __fsqrt_rn(__fdiv_rn(__shfl_sync(0xffffffffu, partial, 0), 32.0f));
+    // TQ-7: the group rms by the halving tree (partial[i] + partial[i + w], w = 16 .. 1):
+    // element i + w of a step w >= P is the same element of the thread w / P lanes on; the
+    // steps below P add a thread's own (those of the group's first thread count).
+    const unsigned int i0 = P * group_lane;
+    #pragma unroll
+    for (int w = 16; w >= P; w >>= 1) {
+        #pragma unroll
+        for (int e = 0; e < P; ++e) {
+            const float other = __shfl_down_sync(0xffffffffu, partial[e], w / P);
+            if (i0 + e < (unsigned int)w) partial[e] = __fadd_rn(partial[e], other);
+        }
+    }
+    #pragma unroll
+    for (int w = P / 2; w >= 1; w >>= 1) {
+        #pragma unroll
+        for (int e = 0; e < w; ++e) partial[e] = __fadd_rn(partial[e], partial[e + w]);
+    }
+    const float sum = __shfl_sync(0xffffffffu, partial[0], first_lane);
+    const float rms = __fsqrt_rn(__fdiv_rn(sum, 32.0f));
     const __half rms16 = __float2half_rn(rms);
     const bool value_ok = isfinite(__half2float(rms16));
-    const float u = __fdiv_rn(y, __fadd_rn(rms, eps));
-    // The number of boundaries strictly below u, by binary search over the sorted table.
-    unsigned int count = 0;
-    for (unsigned int stride = 1u << (VBITS - 1); stride >= 1; stride >>= 1) {
-        if (boundaries[count + stride - 1] < u) count += stride;
+    unsigned int value_code[P];
+    bool values_finite = true;
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const float u = __fdiv_rn(y[e], __fadd_rn(rms, eps));
+        // The number of boundaries strictly below u, by binary search over the sorted table.
+        unsigned int count = 0;
+        for (unsigned int stride = 1u << (VBITS - 1); stride >= 1; stride >>= 1) {
+            if (boundaries[count + stride - 1] < u) count += stride;
+        }
+        value_code[e] = value_ok ? count : 0u;
+        values_finite = values_finite && isfinite(value[e]);
     }
-    own_values[j] = value_ok ? (unsigned char)count : 0;
-    if (active && lane == 0) v_scales[group] = value_ok ? rms16 : nan16;
+    if (active && group_first) v_scales[group] = value_ok ? rms16 : nan16;
 
     // DEFER-2: bit i of a row's failures is TQ-3's check i; the row's rank names its
     // lowest bit, the block's rank is the largest, folded into the prior one (DEFER-3).
     unsigned int bits = 0;
-    if (!finite && lane == 0) bits |= 1u;
-    if (!isfinite(value)) bits |= 2u;
-    if (!scale_fits && lane == 0) bits |= 4u;
-    if (!zero_fits && lane == 0) bits |= 8u;
-    if (!value_ok && lane == 0) bits |= 16u;
+    if (!finite && group_first) bits |= 1u;
+    if (!values_finite) bits |= 2u;
+    if (!scale_fits && group_first) bits |= 4u;
+    if (!zero_fits && group_first) bits |= 8u;
+    if (!value_ok && group_first) bits |= 16u;
+    if constexpr (ONE_WARP) __syncwarp();
     if (active && bits != 0) atomicOr(&row_failures[r], bits);
+
+    // TQ-9: each vector's codes as one LSB-first byte stream. A thread's P codes that fill
+    // whole bytes are stored by that thread; others pass through shared memory.
+    constexpr bool KEYS_WHOLE = P * KBITS % 8 == 0;
+    constexpr bool VALUES_WHOLE = P * VBITS % 8 == 0;
+    if constexpr (KEYS_WHOLE) {
+        if (active) store_codes<P, KBITS>(reinterpret_cast<uint8_t*>(k_idx), t, key_code);
+    } else {
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own_keys[P * t + e] = (unsigned char)key_code[e];
+    }
+    if constexpr (VALUES_WHOLE) {
+        if (active) store_codes<P, VBITS>(v_packed, t, value_code);
+    } else {
+        #pragma unroll
+        for (int e = 0; e < P; ++e) own_values[P * t + e] = (unsigned char)value_code[e];
+    }
     __syncthreads();
-    if (j == 0 && row_failures[r] != 0) {
+    if (t == 0 && row_failures[r] != 0) {
         atomicMax(&block_rank, CHECKS - __ffs(row_failures[r]) + 1);
     }
-
-    // TQ-9: each vector's codes as one LSB-first byte stream; thread m writes byte m.
-    if (active && !is_signed && j < KEY_BYTES) {
-        unsigned int byte = 0;
-        for (unsigned int i = (8 * j) / KBITS; i <= (8 * j + 7) / KBITS; ++i) {
-            const int shift = (int)(i * KBITS) - (int)(8 * j);
-            const unsigned int c = own_keys[i];
-            byte |= shift >= 0 ? c << shift : c >> -shift;
-        }
-        k_idx[j] = (unsigned char)byte;
+    if constexpr (!KEYS_WHOLE) {
+        if (active) pack_codes<KBITS, KEY_BYTES, THREADS>(reinterpret_cast<uint8_t*>(k_idx), t, own_keys);
     }
-    if (active && j < VALUE_BYTES) {
-        unsigned int byte = 0;
-        for (unsigned int i = (8 * j) / VBITS; i <= (8 * j + 7) / VBITS; ++i) {
-            const int shift = (int)(i * VBITS) - (int)(8 * j);
-            const unsigned int c = own_values[i];
-            byte |= shift >= 0 ? c << shift : c >> -shift;
-        }
-        v_packed[j] = (unsigned char)byte;
+    if constexpr (!VALUES_WHOLE) {
+        if (active) pack_codes<VBITS, VALUE_BYTES, THREADS>(v_packed, t, own_values);
     }
-    // The record's bytes outside every field.
-    for (unsigned int b = j; active && b < ROW_BYTES; b += D) {
-        const bool in_field = (b >= OFF_KI && b < OFF_KI + KEY_BYTES) ||
-            (b >= OFF_KS && b < OFF_KS + GROUP_BYTES) || (b >= OFF_KZ && b < OFF_KZ + GROUP_BYTES) ||
-            (b >= OFF_VP && b < OFF_VP + VALUE_BYTES) || (b >= OFF_VS && b < OFF_VS + GROUP_BYTES);
-        if (!in_field) own_record[b] = 0;
+    // The record's bytes outside every field: its fields leave no gap (records.py places
+    // the widest alignments first), so those past the last field's end.
+    constexpr int FIELDS_END = cmax(cmax(cmax(OFF_KI + KEY_BYTES, OFF_KS + GROUP_BYTES),
+                                         cmax(OFF_KZ + GROUP_BYTES, OFF_VP + VALUE_BYTES)),
+                                    OFF_VS + GROUP_BYTES);
+    static_assert(FIELDS_END == KEY_BYTES + VALUE_BYTES + 3 * GROUP_BYTES, "no gap");
+    for (unsigned int b = FIELDS_END + t; active && b < ROW_BYTES; b += THREADS) {
+        own_record[b] = 0;
     }
     __syncthreads();
-    if (j == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);
+    if (t == 0 && r == 0) total[blockIdx.x] = max(prior[0], block_rank);
 }
 
 }  // namespace kvspec_tq
