@@ -195,25 +195,45 @@ def stand_in(name: str, inputs: int, outputs: int) -> object:
     )
 
 
-def launch(kernel: object, inputs: list[mx.array], outputs: list[tuple]) -> list[mx.array]:
-    """One launch of a stand-in over `inputs`, making `outputs` ((shape, dtype) each)."""
+def launch(
+    kernel: object,
+    inputs: list[mx.array],
+    outputs: list[tuple],
+    init_value: float | None = None,
+) -> list[mx.array]:
+    """One launch of a stand-in over `inputs`, making `outputs` ((shape, dtype) each),
+    every output first filled with `init_value` where one is given (MLX fills each)."""
     return kernel(
         inputs=inputs,
         grid=(32, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[shape for shape, _ in outputs],
         output_dtypes=[dtype for _, dtype in outputs],
+        init_value=init_value,
     )
+
+
+#: The TurboQuant decode steps of step_rows: its fields stored apart (as before the
+#: records), in one record per row (as stored now), and in one record with the split merge
+#: folded into the attention launch (its last split of a head merging, counted in an
+#: output that MLX zeroes: every output of the launch is then filled before it runs).
+STEP_VARIANTS = {
+    "fields apart": "apart",
+    "fields in one record": "record",
+    "one record, merge folded into the attention": "folded",
+}
 
 
 def step_rows(calls: int) -> list[tuple[str, float]]:
     """Host µs per layer of a TurboQuant k8v4 decode step's ops over 32 layers (4k rows),
-    its kernels stood in by kernels of as many arrays that do no work: the fields stored
-    apart, as before the records (encode of 5 inputs and 6 outputs, 5 slice writes, the key
-    codes cut, attention of 8 inputs and 2 outputs, merge of 3 and 1), and one record per
-    row (encode of 5 inputs and 2 outputs, 1 write, the record cut, attention of 3 inputs
-    and 2 outputs, the same merge): what packing a row's fields into one buffer saves the
-    host, as measured before the records were built."""
+    its kernels stood in by kernels of as many arrays that do no work (STEP_VARIANTS):
+    with the fields apart, an encode of 5 inputs and 6 outputs, 5 slice writes, the key
+    codes cut, attention of 8 inputs and 2 outputs (partial sums and statistics of 66
+    splits, as at 32k), merge of 3 and 1; with one record per row, an encode of 5 inputs
+    and 2 outputs, 1 write, the record cut, attention of 3 inputs and 2 outputs, the same
+    merge; folded, the same but the attention's outputs are the result and one zeroed
+    buffer of the splits' sums and the heads' counters, and there is no merge. What each
+    storage or launch saves the host, weighed before it is built."""
     rounds = max(2, calls // 100)
     widths = [(128, mx.int8), (4, mx.float16), (4, mx.float16), (64, mx.uint8), (4, mx.float16)]
     record = (216, mx.uint8)  # the same bytes in one row
@@ -225,13 +245,14 @@ def step_rows(calls: int) -> list[tuple[str, float]]:
     small = mx.zeros((16,), mx.float32)
     prior = mx.zeros((1,), mx.uint32)
     mx.eval(k, q, small, prior)
-    stats = [((32, 64, 128), mx.float32), ((32, 64, 2), mx.float32)]
+    splits = 66
+    result = ((1, 32, 1, 128), mx.bfloat16)
+    stats = [((32, splits, 128), mx.float32), ((32, splits, 2), mx.float32)]
+    folded = [result, ((32 * splits * 130 + 8,), mx.float32)]
 
-    def step_of(packed: bool) -> Callable[[], None]:
-        layers = [
-            [mx.zeros((1, 8, 4096, w), d) for w, d in ([record] if packed else widths)]
-            for _ in range(32)
-        ]
+    def step_of(variant: str) -> Callable[[], None]:
+        stored = widths if variant == "apart" else [record]
+        layers = [[mx.zeros((1, 8, 4096, w), d) for w, d in stored] for _ in range(32)]
         mx.eval(layers)
         positions = itertools.count(100)
 
@@ -239,28 +260,29 @@ def step_rows(calls: int) -> list[tuple[str, float]]:
             outs = []
             start = next(positions)
             for i, fields in enumerate(layers):
-                rows = [((1, 8, 1, w), d) for w, d in ([record] if packed else widths)]
-                encode = encode_packed if packed else encode_apart
+                rows = [((1, 8, 1, w), d) for w, d in stored]
+                encode = encode_apart if variant == "apart" else encode_packed
                 *new, _ = launch(encode, [k, k, small, small, prior], [*rows, ((1,), mx.uint32)])
                 written = written_rows(fields, start, new)  # as the MLX storages write
                 layers[i] = written
                 cut = written[0][:, :, : start + 1]
-                if packed:
+                if variant == "folded":
+                    out, _ = launch(attend_packed, [q, cut, small], folded, init_value=0.0)
+                    outs.append(out)
+                    continue
+                if variant == "record":
                     partial, sums = launch(attend_packed, [q, cut, small], stats)
                 else:
                     apart = [q, cut, *written[1:], small, small]
                     partial, sums = launch(attend_apart, apart, stats)
-                outs += launch(merge, [partial, sums, small], [((1, 32, 1, 128), mx.bfloat16)])
+                outs += launch(merge, [partial, sums, small], [result])
             mx.eval(outs)
 
         return step
 
     return [
-        (
-            f"stand-in TurboQuant step, fields {'in one record' if packed else 'apart'}, per layer",
-            per_call(step_of(packed), rounds) / 32,
-        )
-        for packed in (False, True)
+        (f"stand-in TurboQuant step, {name}, per layer", per_call(step_of(variant), rounds) / 32)
+        for name, variant in STEP_VARIANTS.items()
     ]
 
 
