@@ -186,3 +186,7 @@ def _launch(
     )
     failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
     return (*fields, failure)
+
+
+#: The kernel objects this module keeps made (as attention_kernels.KERNEL_CACHES).
+KERNEL_CACHES = (_kernel, _pair_kernel, _record_kernel)

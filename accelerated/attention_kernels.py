@@ -565,3 +565,9 @@ def _launch(
             "output_dtypes": [out_dtype],
         },
     )
+
+
+#: What this module keeps made (kernel objects, the plans they are made from, the reads'
+#: launches): a tool that builds the kernels from other sources or shapes, or a test that
+#: stands in for them, clears these.
+KERNEL_CACHES = (_partial_kernel, _merge_kernel, _plan, _launch)

@@ -162,3 +162,7 @@ def fused_encode(
     )
     failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
     return record, failure
+
+
+#: The kernel objects this module keeps made (as attention_kernels.KERNEL_CACHES).
+KERNEL_CACHES = (_kernel, _encode_kernel)

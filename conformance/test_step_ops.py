@@ -97,14 +97,9 @@ def cuda_path(backend: Backend, monkeypatch):
     # Every cache of kernel objects: a kernel (or a read's launch) made by another test's
     # stand-in would count its launches there.
     factories = [
-        attention_kernels._partial_kernel,
-        attention_kernels._merge_kernel,
-        attention_kernels._launch,
-        affine_kernels._kernel,
-        affine_kernels._pair_kernel,
-        affine_kernels._record_kernel,
-        turboquant_kernels._kernel,
-        turboquant_kernels._encode_kernel,
+        *attention_kernels.KERNEL_CACHES,
+        *affine_kernels.KERNEL_CACHES,
+        *turboquant_kernels.KERNEL_CACHES,
     ]
     for factory in factories:
         factory.cache_clear()

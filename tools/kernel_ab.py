@@ -37,27 +37,11 @@ from kvspec.accelerated import (
 #: The kinds read unless --kinds says otherwise (bench's names): a growable cache of each
 #: stored format the step table times.
 DEFAULT_KINDS = ("TurboQuantKVCache k8v4 dense", "QuantizedKVCache 4-bit g64", "KVCache")
-#: Each kernel module, the file its header includes, and its caches of kernel objects.
+#: Each kernel module and the file its header includes.
 KERNEL_MODULES = (
-    (
-        attention_kernels,
-        "decode_attention.cuh",
-        (
-            attention_kernels._partial_kernel,
-            attention_kernels._merge_kernel,
-            attention_kernels._launch,
-        ),
-    ),
-    (
-        affine_kernels,
-        "affine.cuh",
-        (affine_kernels._kernel, affine_kernels._pair_kernel, affine_kernels._record_kernel),
-    ),
-    (
-        turboquant_kernels,
-        "turboquant.cuh",
-        (turboquant_kernels._kernel, turboquant_kernels._encode_kernel),
-    ),
+    (attention_kernels, "decode_attention.cuh"),
+    (affine_kernels, "affine.cuh"),
+    (turboquant_kernels, "turboquant.cuh"),
 )
 
 
@@ -67,10 +51,10 @@ def use_sources(directory: Path) -> None:
     keyed by its source, so going back costs no compile)."""
     cuda_source.CUDA_DIR = directory
     cuda_source.included.cache_clear()
-    for module, name, factories in KERNEL_MODULES:
+    for module, name in KERNEL_MODULES:
         module._INCLUDE = cuda_source.included(name)
-        for factory in factories:
-            factory.cache_clear()
+        for made in module.KERNEL_CACHES:
+            made.cache_clear()
 
 
 def source(text: str) -> tuple[str, Path]:
@@ -79,7 +63,7 @@ def source(text: str) -> tuple[str, Path]:
     if not sep or not name or not directory:
         raise argparse.ArgumentTypeError(f"a source is NAME=DIR, got {text!r}")
     path = Path(directory).resolve()
-    missing = [file for _, file, _ in KERNEL_MODULES if not (path / file).is_file()]
+    missing = [file for _, file in KERNEL_MODULES if not (path / file).is_file()]
     if missing:
         raise argparse.ArgumentTypeError(f"{path} lacks {', '.join(missing)}")
     return name, path

@@ -46,6 +46,16 @@ def device_us(run: Callable[[], list[mx.array]], repeats: int) -> float:
     return (min(sample.times) - min(sample.builds)) / LAYERS * 1e6
 
 
+def use_shape(launch_shape: tuple[int, int, int]) -> None:
+    """Warps per block, blocks in all and splits per head for the kernels made from now on:
+    the kernels and read plans made under another shape are dropped."""
+    attention_kernels.WARPS, attention_kernels.TARGET_BLOCKS, attention_kernels.MAX_SPLITS = (
+        launch_shape
+    )
+    for made in attention_kernels.KERNEL_CACHES:
+        made.cache_clear()
+
+
 def format_times(
     factory: Callable[[], caches.Cache],
     k: mx.array,
@@ -61,13 +71,8 @@ def format_times(
     reads = [cache.append_decode(new, new) for cache in layer_caches]
     mx.eval([cache.state().arrays for cache in layer_caches])
     times = []
-    for warps, blocks, splits in shapes:
-        attention_kernels.WARPS = warps
-        attention_kernels.TARGET_BLOCKS = blocks
-        attention_kernels.MAX_SPLITS = splits
-        attention_kernels._partial_kernel.cache_clear()
-        attention_kernels._plan.cache_clear()
-        attention_kernels._launch.cache_clear()
+    for launch_shape in shapes:
+        use_shape(launch_shape)
         times.append(device_us(lambda: [read.attend(q, 128**-0.5) for read in reads], repeats))
     return times
 
@@ -82,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         parser.error("the decode-attention kernels run on CUDA only; this device has none")
-    defaults = (
+    default = (
         attention_kernels.WARPS,
         attention_kernels.TARGET_BLOCKS,
         attention_kernels.MAX_SPLITS,
@@ -98,12 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 times = format_times(factory, k, new, q, args.shapes, args.repeats)
                 print(f"  {'  '.join(f'{t:9.0f}' for t in times)}  {name}")
     finally:
-        attention_kernels.WARPS, attention_kernels.TARGET_BLOCKS, attention_kernels.MAX_SPLITS = (
-            defaults
-        )
-        attention_kernels._partial_kernel.cache_clear()
-        attention_kernels._plan.cache_clear()
-        attention_kernels._launch.cache_clear()
+        use_shape(default)
     return 0
 
 
