@@ -28,11 +28,10 @@ from kvspec.accelerated.records import RecordLayout
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
-#: Elements of a row each encode thread takes (encode_rows' P: 1, 2 or 4; fewer where a
-#: row would not fill a warp). Elements of one encode block (below, fused_encode: its
-#: shared buffers hold 1024), and threads of an encode's blocks when one block would need
-#: more elements.
-ELEMENTS_PER_THREAD = 4
+#: Elements of a row each encode thread takes (encode_rows' P: 1, 2, 4 or 8). Elements of
+#: one encode block (below, fused_encode: its shared buffers hold 1024), and threads of an
+#: encode's blocks when one block would need more elements.
+ELEMENTS_PER_THREAD = 8
 _ONE_BLOCK_ELEMENTS = 1024
 _BLOCK_THREADS = 256
 
@@ -147,11 +146,13 @@ def fused_encode(
     (turboquant.encode)."""
     B, H, L, D = k.shape
     rows = B * H * L
-    # A row fills whole warps (encode_rows): head dim 64 takes two elements a thread.
-    elements = min(ELEMENTS_PER_THREAD, D // 32)
+    elements = ELEMENTS_PER_THREAD
     threads = D // elements
     one_block = rows * D <= _ONE_BLOCK_ELEMENTS
-    per_block = rows if one_block else max(1, _BLOCK_THREADS // threads)
+    # The block's rows fill its shared buffers at most.
+    per_block = (
+        rows if one_block else max(1, min(_BLOCK_THREADS // threads, _ONE_BLOCK_ELEMENTS // D))
+    )
     blocks = -(-rows // per_block)
     record, totals = _encode_kernel(k.dtype, D, elements, k_bits, v_bits, layout)(
         inputs=[k, v, boundaries, signs, prior],

@@ -77,19 +77,28 @@ __device__ __forceinline__ void decode_row(
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // A thread's P codes of BITS bits as one LSB-first little-endian word of P * BITS bits
-// (TQ-9), stored at its own byte offset when that is whole bytes.
+// (TQ-9), stored at its own byte offset when that is whole bytes: in one store where they
+// are 1, 2, 4 or 8 bytes (the record's fields are 16-byte aligned), else byte by byte.
 template <int P, int BITS>
 __device__ __forceinline__ void store_codes(uint8_t* field, unsigned int t, const unsigned int (&codes)[P]) {
-    unsigned int word = 0;
-    #pragma unroll
-    for (int e = 0; e < P; ++e) word |= (codes[e] & ((1u << BITS) - 1u)) << (e * BITS);
     constexpr int BYTES = P * BITS / 8;
+    static_assert(P * BITS % 8 == 0 && BYTES <= 8, "whole bytes, one 64-bit word at most");
+    unsigned long long word = 0;
+    #pragma unroll
+    for (int e = 0; e < P; ++e) {
+        word |= (unsigned long long)(codes[e] & ((1u << BITS) - 1u)) << (e * BITS);
+    }
     if constexpr (BYTES == 1) {
         field[t] = (uint8_t)word;
     } else if constexpr (BYTES == 2) {
         reinterpret_cast<unsigned short*>(field)[t] = (unsigned short)word;
+    } else if constexpr (BYTES == 4) {
+        reinterpret_cast<unsigned int*>(field)[t] = (unsigned int)word;
+    } else if constexpr (BYTES == 8) {
+        reinterpret_cast<unsigned long long*>(field)[t] = word;
     } else {
-        reinterpret_cast<unsigned int*>(field)[t] = word;
+        #pragma unroll
+        for (int b = 0; b < BYTES; ++b) field[t * BYTES + b] = (uint8_t)(word >> (8 * b));
     }
 }
 
@@ -124,15 +133,16 @@ __device__ __forceinline__ void encode_rows(
     // Block: R rows (positions of a head) of D / P threads; thread (t, r) holds elements
     // P t .. P t + P - 1 of row r, so a group of 32 elements is 32 / P lanes: what a group
     // computes once (its range, scale, zero point, rms, checks) is shared by P times fewer
-    // lanes than with one element a thread.
-    static_assert(P == 1 || P == 2 || P == 4, "1, 2 or 4 elements a thread");
+    // lanes than with one element a thread. A row fills whole warps, or a warp holds whole
+    // rows (its shuffles then stay within a row: every stride of a row is below its width).
+    static_assert(P == 1 || P == 2 || P == 4 || P == 8, "1, 2, 4 or 8 elements a thread");
     constexpr int THREADS = D / P;
     constexpr int GROUP_LANES = 32 / P;
-    static_assert(THREADS >= 32, "a row fills whole warps");
+    static_assert(THREADS % 32 == 0 || 32 % THREADS == 0, "rows and warps nest");
     const unsigned int t = threadIdx.x;
     const unsigned int r = threadIdx.y;
     const unsigned int R = blockDim.y;
-    const unsigned int lane = t & 31;
+    const unsigned int lane = (r * THREADS + t) & 31;
     const unsigned int group = t / GROUP_LANES;
     const unsigned int group_lane = t % GROUP_LANES;
     const bool group_first = group_lane == 0;
