@@ -8,10 +8,11 @@ unpacks its key code and value code straight from the packed bytes, decodes the 
 stay rotated, the block unrotates them: butterflies at strides 1, 2, ..., D/2 (within a
 warp by shuffles, across warps through shared memory), one multiply by f32(1/sqrt(D)),
 then the signs. Encode: one thread per ELEMENTS_PER_THREAD coordinates; a decode step's
-vectors (up to 1024 coordinates) take one block, more take blocks of 256 threads or one
-vector; each runs TQ-4's key groups, TQ-6's rotation,
-TQ-7's rms and boundary search and TQ-9's packing, with DEFER-1's stored failures and
-DEFER-2's rank, and writes each position's fields as one record (accelerated/records.py).
+vectors (up to 1024 coordinates) take one block, more take blocks of at most 1024
+coordinates and 256 threads (at least one vector); each runs TQ-4's key groups, TQ-6's
+rotation, TQ-7's rms and boundary search and TQ-9's packing, with DEFER-1's stored
+failures and DEFER-2's rank, and writes each position's fields as one record
+(accelerated/records.py).
 Every float step is an explicitly rounded IEEE intrinsic (`__fadd_rn`, `__fsub_rn`,
 `__fmul_rn`, `__fdiv_rn`), so neither compiler flags nor FMA contraction can change a
 bit: the result equals the plain MLX path (and the reference) bit for bit.
@@ -141,9 +142,9 @@ def fused_encode(
     row_bytes] of `layout` (accelerated/records.py), in one launch, and the failure (uint32
     [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups that fail
     are stored as DEFER-1 says. Rows of 1024 coordinates or fewer (a decode step's) take
-    one block; more take blocks of 256 threads (at least one row), whose ranks are folded by
-    one more op. Shapes, dtypes and widths are validated by the caller
-    (turboquant.encode)."""
+    one block; more take blocks of at most 1024 coordinates (the kernel's shared buffers)
+    and 256 threads, at least one row, whose ranks are folded by one more op. Shapes, dtypes
+    and widths are validated by the caller (turboquant.encode)."""
     B, H, L, D = k.shape
     rows = B * H * L
     elements = ELEMENTS_PER_THREAD

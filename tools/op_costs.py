@@ -216,7 +216,8 @@ def launch(
 #: The TurboQuant decode steps of step_rows: its fields stored apart (as before the
 #: records), in one record per row (as stored now), and in one record with the split merge
 #: folded into the attention launch (its last split of a head merging, counted in an
-#: output that MLX zeroes: every output of the launch is then filled before it runs).
+#: output that MLX zeroes: every output of the launch is then filled before it runs; on
+#: the H200 that step was slower, and the fold was not kept: docs/performance.md).
 STEP_VARIANTS = {
     "fields apart": "apart",
     "fields in one record": "record",
