@@ -657,7 +657,8 @@ __device__ __forceinline__ void partial_pass(
         const int key_part = KeyRow::OWN_PART ? 0 : col;
         const int value_part = ValueRow::OWN_PART ? 0 : row;
         const KC* key_codes = reinterpret_cast<const KC*>(
-            reinterpret_cast<const unsigned char*>(k_codes + k_base + first_key * k_codes_strides[2]) +
+            reinterpret_cast<const unsigned char*>(
+                k_codes + k_base + first_key * k_codes_strides[2]) +
             KeyRow::part_bytes(col));
         const int key_group = KeyRow::part_group(col);
         const KS* key_scales =
@@ -665,11 +666,12 @@ __device__ __forceinline__ void partial_pass(
         const KS* key_biases =
             KFMT == 0 ? nullptr : k_biases + ks_base + first_key * k_scales_strides[2] + key_group;
         const VC* value_codes = reinterpret_cast<const VC*>(
-            reinterpret_cast<const unsigned char*>(v_codes + v_base + first_value * v_codes_strides[2]) +
+            reinterpret_cast<const unsigned char*>(
+                v_codes + v_base + first_value * v_codes_strides[2]) +
             ValueRow::part_bytes(row));
         const int value_group = ValueRow::part_group(row);
-        const VS* value_scales =
-            VFMT == 0 ? nullptr : v_scales + vs_base + first_value * v_scales_strides[2] + value_group;
+        const VS* value_scales = VFMT == 0
+            ? nullptr : v_scales + vs_base + first_value * v_scales_strides[2] + value_group;
         const VS* value_biases = VFMT == 0 || VFMT == 3
             ? nullptr : v_biases + vs_base + first_value * v_scales_strides[2] + value_group;
         auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
@@ -689,11 +691,12 @@ __device__ __forceinline__ void partial_pass(
                     if (SLOT && tv + i == written) {
                         load_value(value, tv + i, row);
                     } else {
-                        value.load_row(value_codes + i * v_codes_strides[2],
-                                       VFMT == 0 ? nullptr : value_scales + i * v_scales_strides[2],
-                                       VFMT == 0 || VFMT == 3 ? nullptr
-                                                              : value_biases + i * v_scales_strides[2],
-                                       value_part);
+                        value.load_row(
+                            value_codes + i * v_codes_strides[2],
+                            VFMT == 0 ? nullptr : value_scales + i * v_scales_strides[2],
+                            VFMT == 0 || VFMT == 3 ? nullptr
+                                                   : value_biases + i * v_scales_strides[2],
+                            value_part);
                     }
                 }
             }
