@@ -123,7 +123,30 @@ struct LaneRow {
     __device__ __forceinline__ void load(
         const C* codes, const S* scales, const S* biases,
         long long code_row, long long group_row, int lane) {
-        row = reinterpret_cast<const unsigned char*>(codes + code_row);
+        if constexpr (FMT == 0) {
+            load_row(codes + code_row, nullptr, nullptr, lane);
+        } else if constexpr (FMT == 3) {
+            load_row(codes + code_row, scales + group_row, nullptr, lane);
+        } else {
+            load_row(codes + code_row, scales + group_row, biases + group_row, lane);
+        }
+    }
+
+    // Where a lane's words are whole (WORDS or HALF rows, one group a lane) a pointer can
+    // carry its part: the part's byte offset in the row and its group, for load_row at lane 0.
+    static constexpr bool OWN_PART = (WORDS || HALF) && !TWO_GROUPS;
+    static __device__ __forceinline__ int part_bytes(int lane) {
+        return OWN_PART ? lane * (WORDS ? NW * 4 : 2) : 0;
+    }
+    static __device__ __forceinline__ int part_group(int lane) {
+        return OWN_PART && FMT != 0 ? lane * E / GROUP : 0;
+    }
+
+    // The same from pointers to the row's codes and its groups' scales and biases (those a
+    // format stores; the others are not read).
+    __device__ __forceinline__ void load_row(
+        const C* codes, const S* scales, const S* biases, int lane) {
+        row = reinterpret_cast<const unsigned char*>(codes);
         if constexpr (WORDS) {
             load_words<NW>(row + lane * NW * 4, w);
         } else if constexpr (HALF) {
@@ -131,12 +154,12 @@ struct LaneRow {
         }
         if constexpr (FMT != 0) {
             const int g = lane * E / GROUP;
-            scale = scales[group_row + g];
-            if constexpr (FMT != 3) bias = biases[group_row + g];
+            scale = scales[g];
+            if constexpr (FMT != 3) bias = biases[g];
             if constexpr (TWO_GROUPS) {
                 const int last_group = (lane * E + E - 1) / GROUP;
-                scale2 = scales[group_row + last_group];
-                if constexpr (FMT != 3) bias2 = biases[group_row + last_group];
+                scale2 = scales[last_group];
+                if constexpr (FMT != 3) bias2 = biases[last_group];
             }
         }
     }
@@ -623,12 +646,68 @@ __device__ __forceinline__ void partial_pass(
         // that whole chunks spend no instruction on that test.
         const int whole_chunks = end > start ? (end - start) / 8 : 0;
         const int chunks = end > start ? (end - start + 7) / 8 : 0;
+        // The lane's rows of the next chunk it loads (chunk c: key row start + 8 c + row, value
+        // rows start + 8 c + 2 col and the one after), as pointers that each load moves on by
+        // the warp's stride of chunks: an add a field instead of a row's address computed anew.
+        const long long chunk_rows = 8LL * WARPS;
+        const int first_key = start + 8 * warp + row;
+        const int first_value = start + 8 * warp + 2 * col;
+        // Where a lane's part is whole (OWN_PART) the pointers carry it, and load_row reads
+        // them as lane 0's.
+        const int key_part = KeyRow::OWN_PART ? 0 : col;
+        const int value_part = ValueRow::OWN_PART ? 0 : row;
+        const KC* key_codes = reinterpret_cast<const KC*>(
+            reinterpret_cast<const unsigned char*>(
+                k_codes + k_base + first_key * k_codes_strides[2]) +
+            KeyRow::part_bytes(col));
+        const int key_group = KeyRow::part_group(col);
+        const KS* key_scales =
+            KFMT == 0 ? nullptr : k_scales + ks_base + first_key * k_scales_strides[2] + key_group;
+        const KS* key_biases =
+            KFMT == 0 ? nullptr : k_biases + ks_base + first_key * k_scales_strides[2] + key_group;
+        const VC* value_codes = reinterpret_cast<const VC*>(
+            reinterpret_cast<const unsigned char*>(
+                v_codes + v_base + first_value * v_codes_strides[2]) +
+            ValueRow::part_bytes(row));
+        const int value_group = ValueRow::part_group(row);
+        const VS* value_scales = VFMT == 0
+            ? nullptr : v_scales + vs_base + first_value * v_scales_strides[2] + value_group;
+        const VS* value_biases = VFMT == 0 || VFMT == 3
+            ? nullptr : v_biases + vs_base + first_value * v_scales_strides[2] + value_group;
         auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
             const int tk = start + 8 * c + row;
             const int tv = start + 8 * c + 2 * col;
-            if (tk < end) load_key(key, tk, col);
-            if (tv < end) load_value(v0, tv, row);
-            if (tv + 1 < end) load_value(v1, tv + 1, row);
+            if (tk < end) {
+                if (SLOT && tk == written) {
+                    load_key(key, tk, col);
+                } else {
+                    key.load_row(key_codes, key_scales, key_biases, key_part);
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                ValueRow& value = i == 0 ? v0 : v1;
+                if (tv + i < end) {
+                    if (SLOT && tv + i == written) {
+                        load_value(value, tv + i, row);
+                    } else {
+                        value.load_row(
+                            value_codes + i * v_codes_strides[2],
+                            VFMT == 0 ? nullptr : value_scales + i * v_scales_strides[2],
+                            VFMT == 0 || VFMT == 3 ? nullptr
+                                                   : value_biases + i * v_scales_strides[2],
+                            value_part);
+                    }
+                }
+            }
+            key_codes += chunk_rows * k_codes_strides[2];
+            if constexpr (KFMT != 0) {
+                key_scales += chunk_rows * k_scales_strides[2];
+                key_biases += chunk_rows * k_scales_strides[2];
+            }
+            value_codes += chunk_rows * v_codes_strides[2];
+            if constexpr (VFMT != 0) value_scales += chunk_rows * v_scales_strides[2];
+            if constexpr (VFMT == 1 || VFMT == 2) value_biases += chunk_rows * v_scales_strides[2];
         };
         auto attend_chunk = [&](auto whole, int c, const KeyRow& key, const ValueRow& v0,
                                 const ValueRow& v1) {
