@@ -113,11 +113,16 @@ struct LaneRow {
     S scale2;
     S bias2;
 
+    // The group of a lane's last element.
+    static __device__ __forceinline__ int last_group(int lane) {
+        return (lane * E + E - 1) / GROUP;
+    }
+
     // The first of a lane's elements in its second group (E when it has none).
     static __device__ __forceinline__ int second_group_start(int lane) {
         const int first = lane * E;
-        const int last_group = (first + E - 1) / GROUP;
-        return last_group == first / GROUP ? E : last_group * GROUP - first;
+        const int last = last_group(lane);
+        return last == first / GROUP ? E : last * GROUP - first;
     }
 
     __device__ __forceinline__ void load(
@@ -157,9 +162,8 @@ struct LaneRow {
             scale = scales[g];
             if constexpr (FMT != 3) bias = biases[g];
             if constexpr (TWO_GROUPS) {
-                const int last_group = (lane * E + E - 1) / GROUP;
-                scale2 = scales[last_group];
-                if constexpr (FMT != 3) bias2 = biases[last_group];
+                scale2 = scales[last_group(lane)];
+                if constexpr (FMT != 3) bias2 = biases[last_group(lane)];
             }
         }
     }
