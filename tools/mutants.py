@@ -359,6 +359,15 @@ CATALOGUE = (
         (f"{STEP_OPS}::test_the_cuda_path_rejects_what_its_encoders_cannot_take_before_a_launch",),
     ),
     Mutant(
+        "mlx-tensor-core-lanes-across-groups",
+        "accelerated/attention_kernels.py",
+        "        return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0\n",
+        "        return True\n",
+        "the tensor-core body takes rows whose lane shares cross a group of a coded format, "
+        "reading one scale for two groups (READ-7)",
+        (f"{DECODE}::test_tensor_core_fit_takes_the_head_dims_and_groups_it_was_tested_on",),
+    ),
+    Mutant(
         "mlx-affine-round-half-away",
         "accelerated/affine.py",
         "    steps = mx.round((groups - bias[..., None]) / scale[..., None])\n",
