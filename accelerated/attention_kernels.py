@@ -29,7 +29,10 @@ Either way the decode avoids conversion instructions, which run at a quarter of 
 float32 rate: codes become floats through the bits of 2^23 + c, and AFF-6 runs on pairs
 in the scales' 16-bit format.
 Pass 2 merges the splits of each query head and, for TurboQuant values, unrotates the
-output row once (TQ-8): the Hadamard butterflies, 1/sqrt(D), then the signs.
+output row once (TQ-8): the Hadamard butterflies, 1/sqrt(D), then the signs. It is bound
+by its loads' latency, not their bytes: a block of about MERGE_THREADS threads takes a
+head, each split's weight is computed once, and each output element is summed by
+`_merge_parts` threads over a share of the splits each.
 
 The CUDA code is accelerated/cuda/decode_attention.cuh (partial_pass, merge_pass); the
 kernels handed to MLX include it and call into it, so that the source MLX builds and
@@ -64,6 +67,9 @@ STAGE = 4
 MIN_SPLIT = 64
 MAX_SPLITS = 128
 TARGET_BLOCKS = 528
+#: Threads of the merge per query head (pass 2 is bound by its loads' latency: more threads
+#: keep more in flight).
+MERGE_THREADS = 1024
 #: The query heads one block serves and the head dims the kernels take.
 MAX_GROUP = 8
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256, 512)
@@ -80,8 +86,8 @@ _GROUP_FIELDS[TURBO_VALUE] = (True, False)
 def _merge_call(rotated: bool) -> str:
     """The body of a merge kernel; without rotation it takes no signs (a null pointer)."""
     return (
-        "kvspec_attn::merge_pass<DV, ROTATED, OT, INV_SQRT_BITS>(partial, stats, stats_shape, "
-        f"{'signs' if rotated else 'nullptr'}, out);"
+        "kvspec_attn::merge_pass<DV, PARTS, MAX_SPLITS, ROTATED, OT, INV_SQRT_BITS>("
+        f"partial, stats, stats_shape, {'signs' if rotated else 'nullptr'}, out);"
     )
 
 
@@ -341,6 +347,12 @@ def _splits(T: int, blocks_per_split: int) -> int:
     return max(1, min(MAX_SPLITS, wanted, math.ceil(T / MIN_SPLIT)))
 
 
+def _merge_parts(DV: int) -> int:
+    """Threads of the merge that share an output element, each over its share of the
+    splits: about MERGE_THREADS threads a query head."""
+    return max(1, MERGE_THREADS // DV)
+
+
 @cache
 def _float_bits(x: float) -> int:
     """The float32 bits of x as a signed int (a template constant)."""
@@ -395,6 +407,8 @@ def _plan(
     ]
     merge = [
         ("DV", DV),
+        ("PARTS", _merge_parts(DV)),
+        ("MAX_SPLITS", MAX_SPLITS),
         ("ROTATED", v_fmt == TURBO_VALUE),
         ("OT", out_dtype),
         ("INV_SQRT_BITS", INV_SQRT_BITS.get(DV, 0)),
@@ -559,8 +573,8 @@ def _launch(
         },
         _merge_kernel(plan, values.fmt == TURBO_VALUE),
         {
-            "grid": (B * Hq * DV, 1, 1),
-            "threadgroup": (DV, 1, 1),
+            "grid": (B * Hq * DV * _merge_parts(DV), 1, 1),
+            "threadgroup": (DV * _merge_parts(DV), 1, 1),
             "output_shapes": [(B, Hq, N, DV)],
             "output_dtypes": [out_dtype],
         },

@@ -8,7 +8,10 @@ layer per evaluation would measure MLX's per-evaluation overhead). Beside every 
 mlx-lm-style quantized attention (4-bit g64, no append). The same step compiled (spec
 COMPILE-6: all layers in one `mx.compile`d graph, replayed) is timed against the eager
 step, the two taking turns on the same caches (fastest of the repeats, and least CPU time:
-the steadier measure where other processes share the CPU). Each read's
+the steadier measure where other processes share the CPU). The eager step is also timed
+as a decode loop runs it, each step built while the one before runs (`mx.async_eval`, as
+mlx-lm's generate), beside bare SDPA run alike, with the peak memory it holds above the
+caches' (the `overlapped` table). Each read's
 attention alone is also timed against its byte floor: the bytes it must read over the
 plain-read bandwidth measured in this run; on CUDA, beside it, the same read on the kernels'
 CUDA-core body where the tensor-core body takes it; over two contexts or more, the time a
@@ -96,6 +99,8 @@ class Row:
     cpu_ratio: float = 0.0
     #: Rate rows: the context the added time is measured from.
     from_context: int = 0
+    #: Overlapped rows: peak memory above what was held before the steps, per layer (MiB).
+    extra_mib: float = 0.0
 
 
 def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -131,6 +136,50 @@ def samples(runs: Sequence[Callable[[], object]], repeats: int, warmup: int = 2)
             sample.builds.append(built - start)
             sample.cpu_times.append(time.process_time() - cpu)
     return measured
+
+
+def overlapped(run: Callable[[], object], steps: int) -> tuple[float, int]:
+    """Steps of a decode loop as mlx-lm's generate runs them: each built and handed to MLX
+    (`mx.async_eval`) while the one before still runs, so that building a step overlaps
+    the device's work on the last. Seconds per step over `steps` steps (after one), and the
+    peak memory above what was held before them, in bytes."""
+    mx.eval(run())
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = run()
+        mx.async_eval(out)
+    mx.eval(out)
+    return (time.perf_counter() - start) / steps, mx.get_peak_memory() - held
+
+
+def overlapped_row(
+    name: str,
+    context: int,
+    step: Callable[[], object],
+    bare_run: Callable[[], object],
+    layers: int,
+    steps: int,
+    per_token: int,
+) -> Row:
+    """A kind's step overlapped (`overlapped`) against bare SDPA overlapped alike, taking
+    turns three times: the fastest of each, and the kind's least extra memory."""
+    kind, bare = [], []
+    for _ in range(3):
+        bare.append(overlapped(bare_run, steps))
+        kind.append(overlapped(step, steps))
+    fastest, bare_fastest = min(t for t, _ in kind), min(t for t, _ in bare)
+    return Row(
+        "overlapped",
+        name,
+        context,
+        fastest / layers * 1e6,
+        fastest / bare_fastest,
+        per_token,
+        bare_us=bare_fastest / layers * 1e6,
+        extra_mib=min(extra for _, extra in kind) / layers / 2**20,
+    )
 
 
 def median(values: list[float]) -> float:
@@ -248,7 +297,8 @@ def step_rows(
         rows, bare_run = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
 
     for name, factory in kinds.items():
-        layer_caches = [factory(context + repeats + 8) for _ in range(layers)]
+        # Room for every step the tables take (the overlapped ones: three turns of repeats + 1).
+        layer_caches = [factory(context + 6 * repeats + 16) for _ in range(layers)]
         for cache in layer_caches:
             cache.append_window(prefill_k, prefill_v)
         mx.eval([cache.state().arrays for cache in layer_caches])
@@ -284,6 +334,10 @@ def step_rows(
                 bare_us=bare,
             )
         )
+        if not compiled_only:
+            rows.append(
+                overlapped_row(name, context, eager_step, bare_run, layers, repeats, per_token)
+            )
         for cache in layer_caches:
             cache.check()
         del layer_caches
@@ -460,12 +514,15 @@ def print_rates(rows: list[Row], bandwidth: float) -> None:
 def print_rows(rows: list[Row]) -> None:
     """The rows, table by table."""
     width = max(len(row.what) for row in rows)
-    for table in ("step", "compiled", "attend", "encode"):
+    for table in ("step", "compiled", "overlapped", "attend", "encode"):
         chosen = [row for row in rows if row.table == table]
         if not chosen:
             continue
         if table == "compiled":
             print_compiled(chosen, width)
+            continue
+        if table == "overlapped":
+            print_overlapped(chosen, width)
             continue
         if table == "encode":
             print("\nencode: one call over all positions  (ratio: copy time / encode time)")
@@ -509,6 +566,23 @@ def print_compiled(rows: list[Row], width: int) -> None:
         print(
             f"{row.what:{width}}  {row.context:7d}  {row.us:9.1f}  {row.eager_us:9.1f}  "
             f"{row.ratio:6.2f}  {row.cpu_ratio:5.2f}  {host:>15}  {bare:>6}"
+        )
+
+
+def print_overlapped(rows: list[Row], width: int) -> None:
+    """The overlapped table: each kind's eager step as a decode loop overlaps steps."""
+    print(
+        "\noverlapped: the eager step per layer with each step built while the one before "
+        "runs (mx.async_eval, as mlx-lm's generate), fastest of three turns  (ratio: x bare "
+        "bf16 SDPA overlapped alike; extra MiB: the least of the turns' peak memory above "
+        "the held arrays, per layer: a write MLX cannot make in place while the step before "
+        "still reads the buffer copies it)"
+    )
+    print(f"{'':{width}}  {'context':>7}  {'us':>8}  {'ratio':>6}  {'bare':>6}  {'extra MiB':>9}")
+    for row in rows:
+        print(
+            f"{row.what:{width}}  {row.context:7d}  {row.us:8.1f}  {row.ratio:6.2f}  "
+            f"{row.bare_us:6.1f}  {row.extra_mib:9.1f}"
         )
 
 

@@ -23,6 +23,11 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
     assert all(row["eager_us"] > 0 for row in compiled)
     # The compiled steps take turns with bare SDPA too.
     assert all(row["bare_us"] > 0 for row in compiled)
+    overlapped = [row for row in rows if row["table"] == "overlapped"]
+    assert {row["what"] for row in overlapped} == set(bench.KINDS)
+    for row in overlapped:
+        assert row["bare_us"] > 0 and row["extra_mib"] >= 0
+        assert row["ratio"] == pytest.approx(row["us"] / row["bare_us"])
     reads = [row for row in rows if row["table"] == "attend"]
     assert {row["what"] for row in reads} == set(bench.KINDS)
     for row in rows:
@@ -45,7 +50,7 @@ def test_compiled_only_reports_compiled_against_eager(tmp_path: Path, capsys) ->
     out = tmp_path / "rows.json"
     assert bench.main(["--quick", "--compiled-only", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {row["table"] for row in rows} == {"compiled"}
+    assert {row["table"] for row in rows} == {"compiled"}  # nothing overlapped either
     assert {row["what"] for row in rows} == set(bench.KINDS)
     for row in rows:
         assert row["us"] > 0 and row["eager_us"] > 0 and row["cpu_ratio"] > 0

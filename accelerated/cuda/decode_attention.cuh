@@ -999,46 +999,106 @@ __device__ __forceinline__ void record_pass(
         partial, stats);
 }
 
-// Pass 2 of one block (b, query head blockIdx.x), DV threads: merge the splits and, for
-// TurboQuant values (ROTATED), unrotate the output row once (TQ-8).
-template <int DV, bool ROTATED, typename OT, int INV_SQRT_BITS, typename Shape>
+// Pass 2 of one block (b, query head blockIdx.x), PARTS * DV threads: merge the splits and,
+// for TurboQuant values (ROTATED), unrotate the output row once (TQ-8). Each split's weight
+// is computed once, not once an element; thread (part, d) sums element d over every PARTS-th
+// split, its loads independent of each other, so that the block has many in flight (the
+// merge is bound by their latency, not their bytes); part 0 then adds the parts in order.
+template <int DV, int PARTS, int MAX_SPLITS, bool ROTATED, typename OT, int INV_SQRT_BITS,
+          typename Shape>
 __device__ __forceinline__ void merge_pass(
     const float* partial, const float* stats, const Shape& stats_shape, const float* signs,
     OT* out) {
-    const int d = threadIdx.x;
+    const int d = threadIdx.x % DV;
+    const int part = threadIdx.x / DV;
     const long long row = blockIdx.x;
     const int splits = stats_shape[1];
-    float top = -__int_as_float(0x7f800000);
-    for (int s = 0; s < splits; ++s) top = fmaxf(top, stats[(row * splits + s) * 2]);
+    const float* row_stats = stats + row * splits * 2;
+    __shared__ float weight[MAX_SPLITS];
+    __shared__ float split_totals[MAX_SPLITS];
+    __shared__ float part_sums[PARTS][DV];
+    __shared__ float part_totals[PARTS];
+
+    // Warp 0 loads each split's maximum and total once, finds the row's maximum (fmaxf
+    // passes a NaN maximum by) and gives each split its weight; a split without positions
+    // (total 0) adds nothing: weight -1 marks it.
+    if (threadIdx.x < 32) {
+        static_assert(MAX_SPLITS % 32 == 0, "whole splits a lane");
+        constexpr int PER_LANE = MAX_SPLITS / 32;
+        const float NEG_INF = -__int_as_float(0x7f800000);
+        float maxima[PER_LANE], totals[PER_LANE];
+        float top = NEG_INF;
+        #pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int s = threadIdx.x + 32 * i;
+            maxima[i] = s < splits ? row_stats[2 * s] : NEG_INF;
+            totals[i] = s < splits ? row_stats[2 * s + 1] : 0.0f;
+            top = fmaxf(top, maxima[i]);
+        }
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+        }
+        #pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int s = threadIdx.x + 32 * i;
+            if (s < splits) {
+                weight[s] = totals[i] == 0.0f ? -1.0f : exp2f(maxima[i] - top);
+                split_totals[s] = totals[i];
+            }
+        }
+    }
+    __syncthreads();
     float sum = 0.0f, total = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float split_total = stats[(row * splits + s) * 2 + 1];
-        if (split_total == 0.0f) continue;  // a split without positions
-        const float weight = exp2f(stats[(row * splits + s) * 2] - top);
-        sum += partial[(row * splits + s) * DV + d] * weight;
-        total += split_total * weight;
+    #pragma unroll 4
+    for (int s = part; s < splits; s += PARTS) {
+        const float w = weight[s];
+        const float x = partial[(row * splits + s) * DV + d];
+        if (!(w < 0.0f)) {
+            sum += x * w;
+            total += split_totals[s] * w;
+        }
+    }
+    if constexpr (PARTS > 1) {
+        if (part > 0) {
+            part_sums[part][d] = sum;
+            if (d == 0) part_totals[part] = total;
+        }
+        __syncthreads();
+        if (part == 0) {
+            #pragma unroll
+            for (int p = 1; p < PARTS; ++p) {
+                sum += part_sums[p][d];
+                total += part_totals[p];
+            }
+        }
     }
     float value = sum / total;
     if (ROTATED) {
         // TQ-8: butterflies at strides 1 .. DV/2 (element d of a pair (d, d + h) becomes
         // a + b, element d + h a - b; within a warp by shuffles, across warps through two
-        // shared buffers in turn, one barrier a stride), then f32(1/sqrt(DV)), then the signs.
-        #pragma unroll
-        for (int h = 1; h < 32 && h < DV; h <<= 1) {
-            const float other = __shfl_xor_sync(0xffffffffu, value, h);
-            value = (d & h) == 0 ? __fadd_rn(value, other) : __fsub_rn(other, value);
+        // shared buffers in turn, one barrier a stride, which every thread of the block
+        // meets), then f32(1/sqrt(DV)), then the signs. Part 0 holds the row.
+        if (part == 0) {
+            #pragma unroll
+            for (int h = 1; h < 32 && h < DV; h <<= 1) {
+                const float other = __shfl_xor_sync(0xffffffffu, value, h);
+                value = (d & h) == 0 ? __fadd_rn(value, other) : __fsub_rn(other, value);
+            }
         }
         __shared__ float lane[2][DV];
         #pragma unroll
         for (int h = 32, turn = 0; h < DV; h <<= 1, turn ^= 1) {
-            lane[turn][d] = value;
+            if (part == 0) lane[turn][d] = value;
             __syncthreads();
-            const float other = lane[turn][d ^ h];
-            value = (d & h) == 0 ? __fadd_rn(value, other) : __fsub_rn(other, value);
+            if (part == 0) {
+                const float other = lane[turn][d ^ h];
+                value = (d & h) == 0 ? __fadd_rn(value, other) : __fsub_rn(other, value);
+            }
         }
         value = __fmul_rn(__fmul_rn(value, __int_as_float(INV_SQRT_BITS)), signs[d]);
     }
-    out[row * DV + d] = static_cast<OT>(value);
+    if (part == 0) out[row * DV + d] = static_cast<OT>(value);
 }
 
 }  // namespace kvspec_attn
