@@ -37,7 +37,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.reads):
         out = read.attend(query, HEAD_DIM**-0.5)
         mx.eval(out)
-    mx.synchronize()
     print(
         f"{args.kind}: {args.reads} reads of {args.context + 1} positions, "
         f"{KV_HEADS} KV heads, {QUERY_HEADS} query heads, output {tuple(out.shape)}"

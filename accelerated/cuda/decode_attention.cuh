@@ -1023,8 +1023,7 @@ __device__ __forceinline__ void merge_pass(
     // passes a NaN maximum by) and gives each split its weight; a split without positions
     // (total 0) adds nothing: weight -1 marks it.
     if (threadIdx.x < 32) {
-        static_assert(MAX_SPLITS % 32 == 0, "whole splits a lane");
-        constexpr int PER_LANE = MAX_SPLITS / 32;
+        constexpr int PER_LANE = (MAX_SPLITS + 31) / 32;
         const float NEG_INF = -__int_as_float(0x7f800000);
         float maxima[PER_LANE], totals[PER_LANE];
         float top = NEG_INF;
