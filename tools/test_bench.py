@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import bench
+import mlx.core as mx
 import pytest
 
 
@@ -104,8 +105,6 @@ def test_rates_are_the_time_a_read_adds_between_consecutive_contexts(capsys) -> 
 
 def test_overlapped_steps_count_what_they_hold_above_what_was_held() -> None:
     # Each step makes a 4 MiB array; the last is held until the steps end.
-    import mlx.core as mx
-
     held = mx.zeros((2**20,))
     mx.eval(held)
     seconds, extra = bench.overlapped(lambda: [held + 1], 3)
