@@ -678,11 +678,16 @@ __device__ __forceinline__ void partial_pass(
             ? nullptr : v_scales + vs_base + first_value * v_scales_strides[2] + value_group;
         const VS* value_biases = VFMT == 0 || VFMT == 3
             ? nullptr : v_biases + vs_base + first_value * v_scales_strides[2] + value_group;
-        auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
+        // The compiled step's slot variant: the write row lies in at most one chunk of the
+        // split (`slot_chunk`), which alone tests its rows against it; every other chunk
+        // loads as the other variants do, for one warp-wide test a chunk.
+        const int slot_chunk = SLOT && written >= start && written < end ? (written - start) / 8 : -1;
+        auto load_rows = [&](auto slot_rows, int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
+            constexpr bool SLOT_ROWS = decltype(slot_rows)::value;
             const int tk = start + 8 * c + row;
             const int tv = start + 8 * c + 2 * col;
             if (tk < end) {
-                if (SLOT && tk == written) {
+                if (SLOT_ROWS && tk == written) {
                     load_key(key, tk, col);
                 } else {
                     key.load_row(key_codes, key_scales, key_biases, key_part);
@@ -692,7 +697,7 @@ __device__ __forceinline__ void partial_pass(
             for (int i = 0; i < 2; ++i) {
                 ValueRow& value = i == 0 ? v0 : v1;
                 if (tv + i < end) {
-                    if (SLOT && tv + i == written) {
+                    if (SLOT_ROWS && tv + i == written) {
                         load_value(value, tv + i, row);
                     } else {
                         value.load_row(
@@ -712,6 +717,13 @@ __device__ __forceinline__ void partial_pass(
             value_codes += chunk_rows * v_codes_strides[2];
             if constexpr (VFMT != 0) value_scales += chunk_rows * v_scales_strides[2];
             if constexpr (VFMT == 1 || VFMT == 2) value_biases += chunk_rows * v_scales_strides[2];
+        };
+        auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
+            if (SLOT && c == slot_chunk) {
+                load_rows(Choice<true>(), c, key, v0, v1);
+            } else {
+                load_rows(Choice<false>(), c, key, v0, v1);
+            }
         };
         auto attend_chunk = [&](auto whole, int c, const KeyRow& key, const ValueRow& v0,
                                 const ValueRow& v1) {
