@@ -422,10 +422,9 @@ def compiled_step(
 
 def encode_rows(positions: int, repeats: int) -> list[Row]:
     """Prefill encode of `positions` positions (keys and values together) against a copy of
-    the same input bytes; ratio = copy time / encode time (1 means copy bandwidth)."""
+    the same input bytes, the copy and the encoders taking turns (a busy machine slows them
+    alike); ratio = copy time / encode time (1 means copy bandwidth)."""
     k, v = random_kv(positions)
-    copy = median_seconds(lambda: (k + 0, v + 0), repeats)
-    rows = []
     # The caches' encode: on CUDA one record per position (the fields' views would cost
     # a copy each where evaluated), elsewhere the fields.
     if fused_kernels_enabled():
@@ -442,10 +441,12 @@ def encode_rows(positions: int, repeats: int) -> list[Row]:
             affine.quantize_deferred(v, 64, 4),
         ),
     }
-    for name, run in encoders.items():
-        seconds = median_seconds(lambda r=run: _arrays(r()), repeats)
-        rows.append(Row("encode", name, positions, seconds * 1e6, copy / seconds))
-    return rows
+    runs = [lambda: (k + 0, v + 0)] + [lambda r=run: _arrays(r()) for run in encoders.values()]
+    copy, *encoded = (median(sample.times) for sample in samples(runs, repeats))
+    return [
+        Row("encode", name, positions, seconds * 1e6, copy / seconds)
+        for name, seconds in zip(encoders, encoded, strict=True)
+    ]
 
 
 def _arrays(result: object) -> list[mx.array]:
