@@ -681,7 +681,8 @@ __device__ __forceinline__ void partial_pass(
         // The compiled step's slot variant: the write row lies in at most one chunk of the
         // split (`slot_chunk`), which alone tests its rows against it; every other chunk
         // loads as the other variants do, for one warp-wide test a chunk.
-        const int slot_chunk = SLOT && written >= start && written < end ? (written - start) / 8 : -1;
+        const int slot_chunk =
+            SLOT && written >= start && written < end ? (written - start) / 8 : -1;
         auto load_rows = [&](auto slot_rows, int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
             constexpr bool SLOT_ROWS = decltype(slot_rows)::value;
             const int tk = start + 8 * c + row;
