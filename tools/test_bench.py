@@ -47,6 +47,23 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
     assert "plain read bandwidth" in capsys.readouterr().out
 
 
+def test_encode_rows_take_turns_with_their_copy(monkeypatch) -> None:
+    """The copy and both encoders are timed in one set of turns, so that a busy machine slows
+    them alike (timed one after the other, the encoders' ratios moved threefold between runs)."""
+    turns = []
+    timed = bench.samples
+
+    def recording(runs, repeats, warmup=2):
+        turns.append(len(runs))
+        return timed(runs, repeats, warmup)
+
+    monkeypatch.setattr(bench, "samples", recording)
+    rows = bench.encode_rows(64, 2)
+    assert turns == [3]
+    assert [row.table for row in rows] == ["encode", "encode"]
+    assert all(row.us > 0 and row.ratio > 0 for row in rows)
+
+
 def test_compiled_only_reports_compiled_against_eager(tmp_path: Path, capsys) -> None:
     out = tmp_path / "rows.json"
     assert bench.main(["--quick", "--compiled-only", "--json", str(out)]) == 0
