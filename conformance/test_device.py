@@ -1,0 +1,41 @@
+"""Where the accelerated backend's kernels run (accelerated/device.py): KVSPEC_FUSED_KERNELS
+turns them off on CUDA, and is read once a process."""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from kvspec.accelerated import device  # noqa: E402
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """A CUDA default device as `fused_kernels_enabled` sees it, the variable not yet read."""
+    monkeypatch.setattr(device, "cuda_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    device.fused_kernels_allowed.cache_clear()
+    yield
+    device.fused_kernels_allowed.cache_clear()
+
+
+@pytest.mark.parametrize(("value", "enabled"), [(None, True), ("1", True), ("0", False)])
+def test_the_variable_turns_the_kernels_off(on_cuda, monkeypatch, value, enabled) -> None:
+    if value is None:
+        monkeypatch.delenv(device.FUSED_KERNELS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(device.FUSED_KERNELS_ENV, value)
+    assert device.fused_kernels_enabled() is enabled
+
+
+def test_the_variable_is_read_once(on_cuda, monkeypatch) -> None:
+    monkeypatch.setenv(device.FUSED_KERNELS_ENV, "0")
+    assert not device.fused_kernels_enabled()
+    monkeypatch.setenv(device.FUSED_KERNELS_ENV, "1")
+    assert not device.fused_kernels_enabled()
+
+
+def test_no_kernels_off_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(device, "cuda_available", lambda: False)
+    assert not device.fused_kernels_enabled()
