@@ -70,6 +70,31 @@ TARGET_BLOCKS = 528
 #: Threads of the merge per query head (pass 2 is bound by its loads' latency: more threads
 #: keep more in flight).
 MERGE_THREADS = 1024
+#: Pass 1's blocks resident per SM that TARGET_BLOCKS counts on; the compiled step's slot
+#: variant is compiled to fit them (`_slot_bounds`).
+BLOCKS_PER_SM = 4
+#: The largest head dim and query heads per KV head of the slot variants held to
+#: BLOCKS_PER_SM: those whose eager variants were measured to fit it (119 to 128 registers
+#: a thread at head dim 128, four query heads per KV head, on the H200).
+BOUNDED_DIM = 128
+BOUNDED_GROUP = 4
+
+
+def _slot_bounds(head_dims: tuple[int, int], group: int) -> str:
+    """The slot variant's header line that holds it to BLOCKS_PER_SM blocks an SM: the
+    compiler gave it more registers than the eager variant (affine 8-bit 139 against 119 at
+    head dim 128), which left room for three blocks, not four, and took 35% longer. MLX
+    writes the kernel's declaration after the header, with CUDA's `__global__`, which this
+    redefines; nothing for plans no eager variant was measured to fit."""
+    if max(head_dims) > BOUNDED_DIM or group > BOUNDED_GROUP:
+        return ""
+    return (
+        "#undef __global__\n"
+        "#define __global__ __location__(global) "
+        f"__launch_bounds__({WARPS * 32}, {BLOCKS_PER_SM})\n"
+    )
+
+
 #: The query heads one block serves and the head dims the kernels take.
 MAX_GROUP = 8
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256, 512)
@@ -232,7 +257,7 @@ def _partial_kernel(
         plan.partial_constants,
         input_names=inputs,
         output_names=["partial", "stats"],
-        header=_INCLUDE,
+        header=_INCLUDE + (_slot_bounds(plan.head_dims, plan.group) if slot else ""),
         ensure_row_contiguous=False,
         shared_memory=plan.shared_bytes[mma],
     )
@@ -370,6 +395,9 @@ class _Plan:
     #: Dynamic shared memory of pass 1 by body: the warps' merge; on tensor cores also the
     #: query fragment (16 bytes per lane per 8 key elements), past the merge's 16-byte end.
     shared_bytes: dict[bool, int]
+    #: Key and value head dims, and query heads per KV head.
+    head_dims: tuple[int, int]
+    group: int
 
 
 @cache
@@ -414,7 +442,8 @@ def _plan(
         ("INV_SQRT_BITS", INV_SQRT_BITS.get(DV, 0)),
     ]
     merged = -(-(WARPS * group * DV + 2 * WARPS * group) // 4) * 16
-    return _Plan(tuple(partial), tuple(merge), {False: merged, True: merged + DK // 8 * 32 * 16})
+    shared = {False: merged, True: merged + DK // 8 * 32 * 16}
+    return _Plan(tuple(partial), tuple(merge), shared, (DK, DV), group)
 
 
 def _fields(side: StoredSide) -> list[mx.array]:

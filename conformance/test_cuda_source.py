@@ -155,3 +155,43 @@ def test_a_kernels_constants_are_written_as_mlx_writes_template_arguments(
     assert made["input_names"] == ["x"] and made["header"] == "// h\n"
     cuda_source.cuda_kernel("k", "call();", (), input_names=["x"])
     assert made["name"] == "k" and made["source"] == "call();"
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group", "bounded"),
+    [(128, 4, True), (64, 2, True), (256, 4, False), (128, 8, False)],
+)
+def test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on(
+    backend: Backend, monkeypatch, head_dim: int, group: int, bounded: bool
+) -> None:
+    """The compiled step's slot variant of pass 1 is declared with launch bounds of WARPS * 32
+    threads and BLOCKS_PER_SM blocks, where the eager variant was measured to fit them (head
+    dims up to BOUNDED_DIM, up to BOUNDED_GROUP query heads per KV head); no other kernel."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's CUDA sources")
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    headers = {}
+
+    def stand_in(**options):
+        headers[options["name"]] = options["header"]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
+    side = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, head_dim)
+    plan = kernels._plan(mx.bfloat16, side, side, group, 16, 0, mx.bfloat16)
+    kernels._partial_kernel.cache_clear()
+    try:
+        for slot in (False, True):
+            kernels._partial_kernel(plan, True, True, slot, kernels.AFFINE, kernels.AFFINE, None)
+    finally:
+        kernels._partial_kernel.cache_clear()
+    bounds = f"__launch_bounds__({kernels.WARPS * 32}, {kernels.BLOCKS_PER_SM})"
+    (eager,) = [header for name, header in headers.items() if "_slot" not in name]
+    (slot,) = [header for name, header in headers.items() if "_slot" in name]
+    assert bounds not in eager
+    assert (bounds in slot) is bounded
+    if bounded:
+        # MLX declares the kernel after the header: `__global__` carries the bounds there.
+        assert slot.endswith(f"#define __global__ __location__(global) {bounds}\n")

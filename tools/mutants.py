@@ -641,6 +641,15 @@ CATALOGUE = (
         "the kernels are told each field of a record lies where the next one does (READ-7)",
         (f"{RECORDS}::test_a_turboquant_read_names_each_field_at_its_record_offset",),
     ),
+    Mutant(
+        "mlx-slot-variant-unbounded",
+        "accelerated/attention_kernels.py",
+        "    if max(head_dims) > BOUNDED_DIM or group > BOUNDED_GROUP:\n",
+        "    if True:\n",
+        "the compiled step's slot variant takes the registers the compiler gives it, three "
+        "blocks an SM for affine 8-bit where the split counts on four (READ-7 on CUDA)",
+        (f"{CUDA_SOURCE}::test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on",),
+    ),
 )
 
 
