@@ -17,7 +17,9 @@ plain-read bandwidth measured in this run; on CUDA, beside it, the same read on 
 CUDA-core body where the tensor-core body takes it; over two contexts or more, the time a
 read adds from each context to the next gives its stored bytes' rate (the `rate` table),
 the kernels' own, without the costs of a call, where both contexts' reads are bound by
-their kernels. Absolute times mean something only on the GPU machine.
+their kernels. The `chained` table runs the layers as a model does, each layer's query the
+output of the layer before (bare SDPA alike): its kernels cannot overlap another layer's,
+as those of independent layers can. Absolute times mean something only on the GPU machine.
 
     python tools/bench.py                       # the table at 1k .. 128k positions
     python tools/bench.py --contexts 4096 --json rows.json
@@ -34,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from itertools import pairwise
 
 import mlx.core as mx
@@ -90,9 +93,10 @@ class Row:
     host_us: float = 0.0
     #: A kind's step and read rows: bare bf16 SDPA's time per layer in the same turns, the
     #: ratio's denominator (a busy machine slows both alike). Compiled rows: its fastest
-    #: turn beside theirs (none with --compiled-only).
+    #: turn beside theirs (none with --compiled-only); chained rows: chained alike.
     bare_us: float = 0.0
-    #: Compiled rows: the eager step's wall and host time in the same turns.
+    #: Compiled rows: the eager step's wall and host time in the same turns (chained rows:
+    #: its wall time).
     eager_us: float = 0.0
     eager_host_us: float = 0.0
     #: Compiled rows: the least CPU time of a compiled step over the eager one's.
@@ -253,9 +257,10 @@ def quantized_attention(q: mx.array, keys: tuple, values: tuple, scale: float) -
 
 def baseline_rows(
     context: int, layers: int, repeats: int, q: mx.array, kv: tuple[mx.array, mx.array]
-) -> tuple[list[Row], Callable[[], list[mx.array]]]:
+) -> tuple[list[Row], Callable[[], list[mx.array]], Callable[[], list[mx.array]]]:
     """Bare bf16 SDPA and mlx-lm's quantized attention over LAYERS buffers of their own; and
-    the bare SDPA's run, which each kind's step and read then take turns with."""
+    the bare SDPA's runs, which each kind's step and read then take turns with: the layers
+    independent, and chained (each layer's query the layer before's output)."""
     scale = HEAD_DIM**-0.5
     buffers = [(kv[0] + 0, kv[1] + 0) for _ in range(layers)]
     quantized = [
@@ -265,7 +270,10 @@ def baseline_rows(
     mx.eval(buffers, quantized)
 
     def bare_run() -> list[mx.array]:
-        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for k, v in buffers]
+        return [sdpa(q, k, v) for k, v in buffers]
+
+    def bare_chained() -> list[mx.array]:
+        return [chained(q, [partial(sdpa, k=k, v=v) for k, v in buffers])]
 
     def mlx_lm_run() -> list[mx.array]:
         return [quantized_attention(q, k, v, scale) for k, v in quantized]
@@ -276,7 +284,23 @@ def baseline_rows(
         Row("step", "bare bf16 SDPA (no append)", context, bare * 1e6, 1.0),
         Row("step", "mlx-lm quantized attention 4-bit g64", context, mlx_lm * 1e6, mlx_lm / bare),
     ]
-    return rows, bare_run
+    return rows, bare_run, bare_chained
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    """Bare bf16 SDPA of one layer."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=HEAD_DIM**-0.5)
+
+
+def chained(q: mx.array, layers: Sequence[Callable[[mx.array], mx.array]]) -> mx.array:
+    """The layers in order, each attending with the output of the one before as its query
+    (an attention output has its query's shape), in the first query's dtype, as a model's
+    layers run (a TurboQuant read answers in float32, TQC-2: that is one op more a layer
+    there; a conversion to the dtype an array has makes none)."""
+    dtype = q.dtype
+    for layer in layers:
+        q = layer(q).astype(dtype)
+    return q
 
 
 def step_rows(
@@ -295,11 +319,13 @@ def step_rows(
     prefill_k, prefill_v = random_kv(context)
     rows: list[Row] = []
     if not compiled_only:
-        rows, bare_run = baseline_rows(context, layers, repeats, q, (prefill_k, prefill_v))
+        rows, bare_run, bare_chained = baseline_rows(
+            context, layers, repeats, q, (prefill_k, prefill_v)
+        )
 
     for name, factory in kinds.items():
         # Room for every step the tables take (the overlapped ones: three turns of repeats + 1).
-        layer_caches = [factory(context + 6 * repeats + 16) for _ in range(layers)]
+        layer_caches = [factory(context + 9 * repeats + 24) for _ in range(layers)]
         for cache in layer_caches:
             cache.append_window(prefill_k, prefill_v)
         mx.eval([cache.state().arrays for cache in layer_caches])
@@ -338,6 +364,9 @@ def step_rows(
         if not compiled_only:
             rows.append(
                 overlapped_row(name, context, eager_step, bare_run, layers, repeats, per_token)
+            )
+            rows.append(
+                chained_row(name, context, layer_caches, (k1, v1, q), repeats, bare_chained)
             )
         for cache in layer_caches:
             cache.check()
@@ -391,6 +420,49 @@ def eager_rows(
 
         rows.append(row("attend", f"{name} on CUDA cores", attend_on_cores, True))
     return rows
+
+
+def chained_row(
+    name: str,
+    context: int,
+    layer_caches: list[caches.Cache],
+    inputs: tuple[mx.array, mx.array, mx.array],
+    repeats: int,
+    bare_chained: Callable[[], list[mx.array]],
+) -> Row:
+    """A kind's compiled and eager steps with the layers chained, taking turns with bare
+    SDPA chained alike (fastest of the turns): a layer's kernels wait for the layer before,
+    as in a model, and cannot overlap another layer's."""
+    k, v, q = inputs
+    scale = HEAD_DIM**-0.5
+    layers = len(layer_caches)
+
+    def layer_step(cache: caches.Cache) -> Callable[[mx.array], mx.array]:
+        return lambda query: cache.append_decode(k, v).attend(query, scale)
+
+    def eager() -> list[mx.array]:
+        return [chained(q, [layer_step(cache) for cache in layer_caches])]
+
+    def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list[mx.array]:
+        return [
+            chained(
+                q, [lambda query, t=t: t.append_decode(k, v).attend(query, scale) for t in traces]
+            )
+        ]
+
+    step = compile_decode(step_fn, layer_caches)
+    turns = taking_turns([eager, lambda: step(k, v, q), bare_chained], repeats)
+    (eager_s, _, _), (compiled_s, _, _), (bare_s, _, _) = turns
+    return Row(
+        "chained",
+        name,
+        context,
+        compiled_s / layers * 1e6,
+        compiled_s / bare_s,
+        layer_caches[0].bytes_per_token(),
+        eager_us=eager_s / layers * 1e6,
+        bare_us=bare_s / layers * 1e6,
+    )
 
 
 def cuda_core_attend(read: object, q: mx.array, scale: float) -> Callable[[], mx.array] | None:
@@ -516,7 +588,7 @@ def print_rates(rows: list[Row], bandwidth: float) -> None:
 def print_rows(rows: list[Row]) -> None:
     """The rows, table by table."""
     width = max(len(row.what) for row in rows)
-    for table in ("step", "compiled", "overlapped", "attend", "encode"):
+    for table in ("step", "compiled", "overlapped", "chained", "attend", "encode"):
         chosen = [row for row in rows if row.table == table]
         if not chosen:
             continue
@@ -525,6 +597,9 @@ def print_rows(rows: list[Row]) -> None:
             continue
         if table == "overlapped":
             print_overlapped(chosen, width)
+            continue
+        if table == "chained":
+            print_chained(chosen, width)
             continue
         if table == "encode":
             print("\nencode: one call over all positions  (ratio: copy time / encode time)")
@@ -585,6 +660,26 @@ def print_overlapped(rows: list[Row], width: int) -> None:
         print(
             f"{row.what:{width}}  {row.context:7d}  {row.us:8.1f}  {row.ratio:6.2f}  "
             f"{row.bare_us:6.1f}  {row.extra_mib:9.1f}"
+        )
+
+
+def print_chained(rows: list[Row], width: int) -> None:
+    """The chained table: each kind's steps with each layer's query the layer before's
+    output, beside bare SDPA chained alike."""
+    print(
+        "\nchained: the steps per layer with each layer's query the output of the layer "
+        "before, as a model runs them, fastest of the turns  (ratio: compiled / bare bf16 "
+        "SDPA chained alike; eager x bare: the eager step's)"
+    )
+    header = (
+        f"{'context':>7}  {'compiled':>9}  {'eager':>9}  {'bare':>7}  {'ratio':>6}  "
+        f"{'eager x bare':>12}"
+    )
+    print(f"{'':{width}}  {header}")
+    for row in rows:
+        print(
+            f"{row.what:{width}}  {row.context:7d}  {row.us:9.1f}  {row.eager_us:9.1f}  "
+            f"{row.bare_us:7.1f}  {row.ratio:6.2f}  {row.eager_us / row.bare_us:12.2f}"
         )
 
 

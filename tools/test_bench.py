@@ -29,6 +29,12 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
     for row in overlapped:
         assert row["bare_us"] > 0
         assert row["ratio"] == pytest.approx(row["us"] / row["bare_us"])
+    # The layers chained as a model runs them, bare SDPA chained alike.
+    chained = [row for row in rows if row["table"] == "chained"]
+    assert {row["what"] for row in chained} == set(bench.KINDS)
+    for row in chained:
+        assert row["eager_us"] > 0 and row["bare_us"] > 0
+        assert row["ratio"] == pytest.approx(row["us"] / row["bare_us"])
     reads = [row for row in rows if row["table"] == "attend"]
     assert {row["what"] for row in reads} == set(bench.KINDS)
     for row in rows:
@@ -127,3 +133,26 @@ def test_overlapped_steps_count_what_they_hold_above_what_was_held() -> None:
     seconds, extra = bench.overlapped(lambda: [held + 1], 3)
     assert seconds > 0
     assert extra >= 4 * 2**20
+
+
+def test_chained_layers_take_the_layer_befores_output_as_their_query() -> None:
+    """`chained`: each layer's query is the output of the layer before, in the first query's
+    dtype (a TurboQuant read answers in float32); the last output is the result."""
+    q = mx.ones((1, 4, 1, 8), mx.bfloat16)
+    keys = mx.ones((1, 4, 3, 8), mx.bfloat16)
+    queries, outputs = [], []
+
+    def layer(scale: float):
+        def attend(query: mx.array) -> mx.array:
+            queries.append(query)
+            outputs.append(bench.sdpa(query, keys, keys * scale).astype(mx.float32))
+            return outputs[-1]
+
+        return attend
+
+    out = bench.chained(q, [layer(scale) for scale in (1.0, 2.0, 3.0)])
+    assert queries[0] is q
+    for query, output in zip([*queries[1:], out], outputs, strict=True):
+        assert query.dtype == mx.bfloat16 and query.shape == q.shape
+        assert mx.array_equal(query, output.astype(mx.bfloat16))
+    assert not mx.array_equal(queries[1], queries[2])
