@@ -437,18 +437,15 @@ def chained_row(
     scale = HEAD_DIM**-0.5
     layers = len(layer_caches)
 
-    def layer_step(cache: caches.Cache) -> Callable[[mx.array], mx.array]:
+    def layer(cache: object, k: mx.array, v: mx.array) -> Callable[[mx.array], mx.array]:
+        # A cache, or its stand-in inside the compiled graph (COMPILE-4).
         return lambda query: cache.append_decode(k, v).attend(query, scale)
 
     def eager() -> list[mx.array]:
-        return [chained(q, [layer_step(cache) for cache in layer_caches])]
+        return [chained(q, [layer(cache, k, v) for cache in layer_caches])]
 
     def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list[mx.array]:
-        return [
-            chained(
-                q, [lambda query, t=t: t.append_decode(k, v).attend(query, scale) for t in traces]
-            )
-        ]
+        return [chained(q, [layer(trace, k, v) for trace in traces])]
 
     step = compile_decode(step_fn, layer_caches)
     turns = taking_turns([eager, lambda: step(k, v, q), bare_chained], repeats)
