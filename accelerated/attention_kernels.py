@@ -80,13 +80,14 @@ BOUNDED_DIM = 128
 BOUNDED_GROUP = 4
 
 
-def _slot_bounds(head_dims: tuple[int, int], group: int) -> str:
+def _slot_bounds(plan: _Plan) -> str:
     """The slot variant's header line that holds it to BLOCKS_PER_SM blocks an SM: the
     compiler gave it more registers than the eager variant (affine 8-bit 139 against 119 at
     head dim 128), which left room for three blocks, not four, and took 35% longer. MLX
     writes the kernel's declaration after the header, with CUDA's `__global__`, which this
     redefines; nothing for plans no eager variant was measured to fit."""
-    if max(head_dims) > BOUNDED_DIM or group > BOUNDED_GROUP:
+    constants = dict(plan.partial_constants)
+    if max(constants["DK"], constants["DV"]) > BOUNDED_DIM or constants["G"] > BOUNDED_GROUP:
         return ""
     return (
         "#undef __global__\n"
@@ -257,7 +258,7 @@ def _partial_kernel(
         plan.partial_constants,
         input_names=inputs,
         output_names=["partial", "stats"],
-        header=_INCLUDE + (_slot_bounds(plan.head_dims, plan.group) if slot else ""),
+        header=_INCLUDE + (_slot_bounds(plan) if slot else ""),
         ensure_row_contiguous=False,
         shared_memory=plan.shared_bytes[mma],
     )
@@ -395,9 +396,6 @@ class _Plan:
     #: Dynamic shared memory of pass 1 by body: the warps' merge; on tensor cores also the
     #: query fragment (16 bytes per lane per 8 key elements), past the merge's 16-byte end.
     shared_bytes: dict[bool, int]
-    #: Key and value head dims, and query heads per KV head.
-    head_dims: tuple[int, int]
-    group: int
 
 
 @cache
@@ -442,8 +440,7 @@ def _plan(
         ("INV_SQRT_BITS", INV_SQRT_BITS.get(DV, 0)),
     ]
     merged = -(-(WARPS * group * DV + 2 * WARPS * group) // 4) * 16
-    shared = {False: merged, True: merged + DK // 8 * 32 * 16}
-    return _Plan(tuple(partial), tuple(merge), shared, (DK, DV), group)
+    return _Plan(tuple(partial), tuple(merge), {False: merged, True: merged + DK // 8 * 32 * 16})
 
 
 def _fields(side: StoredSide) -> list[mx.array]:

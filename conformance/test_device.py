@@ -36,6 +36,7 @@ def test_the_variable_is_read_once(on_cuda, monkeypatch) -> None:
     assert not device.fused_kernels_enabled()
 
 
-def test_no_kernels_off_cuda(monkeypatch) -> None:
+def test_no_kernels_without_mlx_cuda(on_cuda, monkeypatch) -> None:
+    monkeypatch.delenv(device.FUSED_KERNELS_ENV, raising=False)
     monkeypatch.setattr(device, "cuda_available", lambda: False)
     assert not device.fused_kernels_enabled()

@@ -644,7 +644,8 @@ CATALOGUE = (
     Mutant(
         "mlx-slot-variant-unbounded",
         "accelerated/attention_kernels.py",
-        "    if max(head_dims) > BOUNDED_DIM or group > BOUNDED_GROUP:\n",
+        '    if max(constants["DK"], constants["DV"]) > BOUNDED_DIM or constants["G"] > '
+        "BOUNDED_GROUP:\n",
         "    if True:\n",
         "the compiled step's slot variant takes the registers the compiler gives it, three "
         "blocks an SM for affine 8-bit where the split counts on four (READ-7 on CUDA)",
