@@ -434,21 +434,14 @@ def chained_row(
     SDPA chained alike (fastest of the turns): a layer's kernels wait for the layer before,
     as in a model, and cannot overlap another layer's."""
     k, v, q = inputs
-    scale = HEAD_DIM**-0.5
     layers = len(layer_caches)
 
-    def layer(cache: object, k: mx.array, v: mx.array) -> Callable[[mx.array], mx.array]:
-        # A cache, or its stand-in inside the compiled graph (COMPILE-4).
-        return lambda query: cache.append_decode(k, v).attend(query, scale)
-
     def eager() -> list[mx.array]:
-        return [chained(q, [layer(cache, k, v) for cache in layer_caches])]
+        return [chained(q, [chained_layer(cache, k, v) for cache in layer_caches])]
 
-    def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list[mx.array]:
-        return [chained(q, [layer(trace, k, v) for trace in traces])]
-
-    step = compile_decode(step_fn, layer_caches)
-    turns = taking_turns([eager, lambda: step(k, v, q), bare_chained], repeats)
+    turns = taking_turns(
+        [eager, compiled_step(layer_caches, k, v, q, chain=True), bare_chained], repeats
+    )
     (eager_s, _, _), (compiled_s, _, _), (bare_s, _, _) = turns
     return Row(
         "chained",
@@ -476,17 +469,28 @@ def cuda_core_attend(read: object, q: mx.array, scale: float) -> Callable[[], mx
     return lambda: read.attend(q, scale, tensor_cores=False)
 
 
+def chained_layer(cache: object, k: mx.array, v: mx.array) -> Callable[[mx.array], mx.array]:
+    """One layer's decode step as a function of its query; `cache` is a cache or its
+    stand-in inside the compiled graph (COMPILE-4)."""
+    return lambda query: cache.append_decode(k, v).attend(query, HEAD_DIM**-0.5)
+
+
 def compiled_step(
-    layer_caches: list[caches.Cache], k: mx.array, v: mx.array, q: mx.array
-) -> Callable[[], object]:
-    """The same decode step over every layer as one compiled graph (spec COMPILE-6)."""
-    scale = HEAD_DIM**-0.5
+    layer_caches: list[caches.Cache],
+    k: mx.array,
+    v: mx.array,
+    q: mx.array,
+    chain: bool = False,
+) -> Callable[[], list[mx.array]]:
+    """The same decode step over every layer as one compiled graph (spec COMPILE-6): the
+    layers independent, or with `chain` each attending with the output of the one before."""
 
     def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list[mx.array]:
-        return [trace.append_decode(k, v).attend(q, scale) for trace in traces]
+        layers = [chained_layer(trace, k, v) for trace in traces]
+        return [chained(q, layers)] if chain else [layer(q) for layer in layers]
 
-    step = compile_decode(step_fn, layer_caches)
-    return lambda: step(k, v, q)
+    # A partial keeps the compiled step in sight (`.func.graphs`: the graphs traced so far).
+    return partial(compile_decode(step_fn, layer_caches), k, v, q)
 
 
 def encode_rows(positions: int, repeats: int) -> list[Row]:

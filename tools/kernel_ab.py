@@ -1,6 +1,9 @@
 """Decode reads under other kernel sources: the CUDA files of each directory taking turns on
 the same caches, each read's attention timed per layer (LAYERS layers per evaluation), and
-the time each adds from one context to the next (its stored bytes' rate).
+the time each adds from one context to the next (its stored bytes' rate). With --step, the
+compiled decode step instead (spec COMPILE-6, which the slot variants of the kernels serve):
+each source's own caches, filled alike, its layers independent or chained (each layer's
+query the output of the one before, as a model runs them).
 
 A kernel change is timed so before it lands (docs/performance.md): its sources and main's
 side by side in one process, on the same caches and the same machine's moment, which two
@@ -9,10 +12,14 @@ first source's (0 where a change keeps every operation).
 
     python tools/kernel_ab.py main=/path/to/main/accelerated/cuda new=accelerated/cuda
     python tools/kernel_ab.py main=DIR new=DIR --contexts 4096 131072 --kinds Quantized
+    python tools/kernel_ab.py main=DIR new=DIR --step chained --contexts 4096 32768
     python tools/kernel_ab.py a=accelerated/cuda b=accelerated/cuda --quick   # CPU smoke run
 
-Only the decode-attention kernels' file (`decode_attention.cuh`) matters to the reads timed;
-each directory must hold all the CUDA files the kernels include.
+Only the decode-attention kernels' file (`decode_attention.cuh`) matters to the reads timed
+(the steps' encode kernels too); each directory must hold all the CUDA files the kernels
+include. A step's graph is traced under its source's files once and replayed: every turn's
+step must stay within one window step (WINDOW_STEP positions), or a new graph would be
+traced under whichever files came last (the run stops with an error if one was).
 """
 
 from __future__ import annotations
@@ -25,7 +32,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
-from bench import KINDS, Row, median, picks, print_rates, rate_rows, read_bandwidth, samples
+from bench import (
+    KINDS,
+    Row,
+    compiled_step,
+    median,
+    picks,
+    print_rates,
+    rate_rows,
+    read_bandwidth,
+    samples,
+)
 
 from kvspec.accelerated import (
     affine_kernels,
@@ -33,6 +50,7 @@ from kvspec.accelerated import (
     cuda_source,
     turboquant_kernels,
 )
+from kvspec.accelerated.caches.compiled import WINDOW_STEP
 
 #: The kinds read unless --kinds says otherwise (bench's names): a growable cache of each
 #: stored format the step table times.
@@ -108,6 +126,59 @@ def kind_rows(
     ]
 
 
+#: What --step times: the read's attention alone, or the compiled step's layers independent
+#: or chained.
+STEPS = ("read", "compiled", "chained")
+#: A step A/B's calls besides its turns: the trace, two warm-up calls and the outputs' call.
+#: All of them must stay within one window step (COMPILE-3) so that no graph is traced again.
+STEP_CALLS = 4
+
+
+def step_rows(
+    kind: str,
+    context: int,
+    sources: Sequence[tuple[str, Path]],
+    layers: int,
+    turns: int,
+    chain: bool,
+) -> list[dict]:
+    """One kind at one context: each source's compiled step (traced under its files, on
+    caches of its own filled alike), per layer, median and fastest of `turns` with the
+    sources taking turns, and its outputs' largest difference from the first source's after
+    as many steps."""
+    calls = turns + STEP_CALLS
+    k = mx.random.normal((1, 8, context, 128)).astype(mx.bfloat16)
+    new = mx.random.normal((1, 8, 1, 128)).astype(mx.bfloat16)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+    steps = []
+    per_token = 0
+    for _, directory in sources:
+        layer_caches = [KINDS[kind](context + calls) for _ in range(layers)]
+        for cache in layer_caches:
+            cache.append_window(k, k)
+        per_token = layer_caches[0].bytes_per_token()
+        step = compiled_step(layer_caches, new, new, q, chain=chain)
+        use_sources(directory)
+        mx.eval(step())  # traced under this source's files
+        steps.append(step)
+    measured = samples(steps, turns)
+    outputs = [mx.concatenate(step(), axis=0).astype(mx.float32) for step in steps]
+    if any(len(step.func.graphs) != 1 for step in steps):
+        raise RuntimeError("a step traced a second graph (under another source's files)")
+    return [
+        {
+            "kind": kind,
+            "context": context,
+            "source": name,
+            "us": median(sample.times) / layers * 1e6,
+            "fastest_us": min(sample.times) / layers * 1e6,
+            "max_diff": mx.abs(output - outputs[0]).max().item(),
+            "bytes_per_token": per_token,
+        }
+        for (name, _), sample, output in zip(sources, measured, outputs, strict=True)
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", type=source, nargs="+", metavar="NAME=DIR")
@@ -118,6 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="TEXT",
         help="bench's kinds whose names hold a TEXT (a whole name: that kind); by default "
         + ", ".join(DEFAULT_KINDS),
+    )
+    parser.add_argument(
+        "--step",
+        choices=STEPS,
+        default="read",
+        help="read: the read's attention alone (default); compiled: the compiled decode "
+        "step, layers independent; chained: the compiled step, each layer's query the "
+        "output of the one before",
     )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--turns", type=int, default=9)
@@ -132,41 +211,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
     if args.quick:
         args.contexts, args.layers, args.turns = [64, 96], 2, 2
+    if args.step != "read" and (
+        any(context % WINDOW_STEP for context in args.contexts)
+        or args.turns + STEP_CALLS > WINDOW_STEP
+    ):
+        parser.error(
+            f"--step {args.step} takes contexts that are multiples of {WINDOW_STEP} and at "
+            f"most {WINDOW_STEP - STEP_CALLS} turns (a step's graph is traced once)"
+        )
     print(f"device: {mx.default_device()}  mlx {mx.__version__}  layers {args.layers}")
-    bandwidth = read_bandwidth(4 if args.quick else 1024, args.turns)
-    print("read: µs per layer, median of the turns; diff: largest |output - first source's|")
+    if args.step == "read":
+        bandwidth = read_bandwidth(4 if args.quick else 1024, args.turns)
+    print(
+        f"{args.step}: µs per layer, median (fastest) of the turns; diff: largest |output - "
+        "first source's|"
+    )
     original = cuda_source.CUDA_DIR
     rows: list[dict] = []
     try:
         for context in args.contexts:
             for kind in kinds:
-                for row in kind_rows(kind, context, args.sources, args.layers, args.turns):
+                if args.step == "read":
+                    measured = kind_rows(kind, context, args.sources, args.layers, args.turns)
+                else:
+                    chain = args.step == "chained"
+                    measured = step_rows(
+                        kind, context, args.sources, args.layers, args.turns, chain
+                    )
+                for row in measured:
+                    fastest = f" ({row['fastest_us']:.1f})" if "fastest_us" in row else ""
                     print(
                         f"{row['context']:7d}  {row['kind']:30s}  {row['source']:12s}  "
-                        f"{row['us']:9.1f} µs  diff {row['max_diff']:.2e}"
+                        f"{row['us']:9.1f}{fastest} µs  diff {row['max_diff']:.2e}"
                     )
                     rows.append(row)
     finally:
         use_sources(original)
-    # bench's rate table, a read for each kind and source.
-    reads = [
-        Row(
-            "attend",
-            f"{row['kind']} ({row['source']})",
-            row["context"],
-            row["us"],
-            1.0,
-            row["bytes_per_token"],
-        )
-        for row in rows
-    ]
-    rates = rate_rows(reads, bandwidth)
-    if rates:
-        print_rates(rates, bandwidth)
+    report = {"device": str(mx.default_device()), "step": args.step, "rows": rows}
+    if args.step == "read":
+        # bench's rate table, a read for each kind and source.
+        reads = [
+            Row(
+                "attend",
+                f"{row['kind']} ({row['source']})",
+                row["context"],
+                row["us"],
+                1.0,
+                row["bytes_per_token"],
+            )
+            for row in rows
+        ]
+        rates = rate_rows(reads, bandwidth)
+        if rates:
+            print_rates(rates, bandwidth)
+        report |= {"bandwidth": bandwidth, "rates": [asdict(rate) for rate in rates]}
     if args.json:
         with open(args.json, "w") as f:
-            report = {"device": str(mx.default_device()), "bandwidth": bandwidth, "rows": rows}
-            json.dump({**report, "rates": [asdict(rate) for rate in rates]}, f)
+            json.dump(report, f)
     return 0
 
 

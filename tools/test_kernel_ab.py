@@ -68,3 +68,31 @@ def test_kinds_picks_as_bench_does(tmp_path: Path) -> None:
     assert kernel_ab.main(argv) == 0
     kinds = {row["kind"] for row in json.loads(out.read_text())["rows"]}
     assert kinds == {"KVCache", "RotatingKVCache", "RotatingQuantizedKVCache 4-bit g64"}
+
+
+@pytest.mark.parametrize("step", ["compiled", "chained"])
+def test_quick_step_run_times_each_sources_compiled_step(tmp_path: Path, step: str) -> None:
+    a, b = (_copy_of_the_sources(tmp_path, name) for name in "ab")
+    out = tmp_path / "rows.json"
+    argv = ["--quick", f"a={a}", f"b={b}", "--step", step, "--kinds", "KVCache", "--json"]
+    assert kernel_ab.main([*argv, str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["step"] == step
+    rows = report["rows"]
+    assert {(row["context"], row["source"]) for row in rows} == {
+        (context, name) for context in (64, 96) for name in "ab"
+    }
+    for row in rows:
+        assert 0 < row["fastest_us"] <= row["us"]
+        assert row["max_diff"] == 0  # the same sources, caches filled alike: the same outputs
+
+
+@pytest.mark.parametrize("options", [["--contexts", "100"], ["--contexts", "64", "--turns", "29"]])
+def test_a_step_run_stays_within_one_window_step(
+    tmp_path: Path, options: list[str], capsys
+) -> None:
+    a = _copy_of_the_sources(tmp_path, "a")
+    with pytest.raises(SystemExit) as exit_info:
+        kernel_ab.main([f"a={a}", "--step", "compiled", *options])
+    assert exit_info.value.code == 2
+    assert "multiples of 32" in capsys.readouterr().err
