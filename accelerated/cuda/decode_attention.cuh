@@ -530,6 +530,10 @@ __device__ __forceinline__ void partial_pass(
     // The counted variant (eager reads, the compiled step: COMPILE-4) reads the live row
     // count from `rows`.
     const int T = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
+    // The compiled step's slot variant (COMPILE-4): buffer row slot_row[0] comes from the new
+    // position's fields. Read before the barrier below, with the count: issued after it, its
+    // load's latency stalled the prologue where the count is first used.
+    const int written = SLOT ? slot_row[0] : -1;
     const int q_heads = queries_shape[1];
 
     for (int i = threadIdx.x; i < TABLE; i += blockDim.x) codebook[i] = table[i];
@@ -555,9 +559,8 @@ __device__ __forceinline__ void partial_pass(
     float* totals = maxima + WARPS * G;
 
     // Row t's share of a lane (elements [part E, part E + E)), raw, from the buffers; in
-    // the compiled step's slot variant (COMPILE-4) buffer row slot_row[0] comes from the new
-    // position's fields (new_* [B, Hk, 1, *]) instead, so the buffers need no copy.
-    const int written = SLOT ? slot_row[0] : -1;
+    // the slot variant row `written` comes from the new position's fields (new_* [B, Hk, 1,
+    // *]) instead, so the buffers need no copy.
     auto load_key = [&](KeyRow& key, int t, int part) {
         if (SLOT && t == written) {
             key.load(new_k_codes, new_k_scales, new_k_biases,
