@@ -305,6 +305,29 @@ def test_one_graph_per_slot_key(backend) -> None:
         assert len(calls) == 8
 
 
+def test_the_device_starts_before_the_commits(backend, monkeypatch) -> None:
+    """COMPILE-6 on MLX: each step hands its outputs and the new positions' fields to the
+    device (`mx.async_eval`) before any cache commits, so the host's commits overlap the
+    graph's run; the commits' writes are not handed over (the next step evaluates them)."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("NumPy computes the step's outputs as it traces them")
+    import mlx.core as mx
+
+    caches = [_prefilled(backend, lambda m: m.TurboQuantKVCache(8, 4), 9) for _ in range(2)]
+    handed = []
+
+    def async_eval(*arrays: Any) -> None:
+        handed.append(([cache.offset for cache in caches], arrays))
+
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    step = backend.module("caches.compiled").compile_decode(attend_each, caches)
+    outputs = [step(*_decode_args(backend, seed)) for seed in range(2)]
+    assert [offsets for offsets, _ in handed] == [[9, 9], [10, 10]]
+    for (_, (handed_outputs, step_outputs)), output in zip(handed, outputs, strict=True):
+        assert handed_outputs is output
+        assert len(step_outputs) == len(caches)
+
+
 def _whole_buffers(backend) -> bool:
     """Whether the backend's compiled step reads whole buffers (COMPILE-3): the MLX backend
     on CUDA, whose kernels take the live row count as data."""

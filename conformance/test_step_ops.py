@@ -184,6 +184,44 @@ def test_a_compiled_step_hands_mlx_one_position_and_length_for_all_layers(
     assert [int(array.item()) for array in inputs[0][2:4]] == [5, 6]
 
 
+@pytest.mark.parametrize("kind", sorted(BUDGETS))
+def test_a_compiled_step_hands_its_kernels_the_inputs_as_given(
+    backend: Backend, cuda_path, kind
+) -> None:
+    """COMPILE-3, COMPILE-4 on MLX's CUDA path: the traced step's kernels take the write
+    position and the active length as the step's inputs are (int32 [1]), and nothing of
+    ours besides their launches: an op here would run in the compiled graph once per
+    layer and step (a reshape of each of the two costs the host as a view does)."""
+    import mlx.core as mx
+
+    make = BUDGETS[kind][0]
+    cache = make(backend.module("caches"))
+    kv = mx.zeros((1, 2, 37, 128), mx.bfloat16)
+    one = mx.ones((1, 2, 1, 128), mx.bfloat16)
+    cache.append_window(kv, kv)
+    # A step that grows the buffers (once per 256 steps; a ring's up to its size) joins
+    # them: not the step measured.
+    cache.append_decode(one, one)
+    mx.eval(cache.state().arrays)
+    plan = cache.prepare_decode_step()
+    slot = cache.decode_slot(plan)
+    inputs = cache.decode_inputs(plan)
+    position, length = (array for array in inputs if array.dtype == mx.int32)
+    assert position.shape == length.shape == (1,)
+    assert (position.item(), length.item()) == (plan.write_position, plan.active_length)
+    read = slot.trace(inputs).append_decode(one, one)
+    cuda_path.inputs.clear()
+    read.attend(mx.ones((1, 4, 1, 128), mx.bfloat16), 1.0)
+    given = [array for array in cuda_path.inputs if array.dtype == mx.int32 and array.size == 1]
+    assert any(array is position for array in given) and any(array is length for array in given)
+    ours = {
+        name: n
+        for name, n in _primitives(cuda_path.inputs).items()
+        if name not in ("Full", "Broadcast")
+    }
+    assert ours == {}, ours
+
+
 def test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers(backend: Backend) -> None:
     """READ-7 on MLX: the decode reads of caches at one offset give the kernels the same
     live-row-count array (the buffers whole, no slice), made once for all layers."""

@@ -314,17 +314,26 @@ CATALOGUE = (
     Mutant(
         "mlx-step-scalars-per-layer",
         "accelerated/caches/reads.py",
-        "        return int32_scalar(value)\n",
-        "        return mx.array(value, dtype=mx.int32)\n",
+        "        return int32_single(value)\n",
+        "        return mx.array([value], dtype=mx.int32)\n",
         "the compiled step makes its write position and active length once per layer, as "
         "arrays MLX hands the device one by one (COMPILE-3)",
         (f"{STEP_OPS}::test_a_compiled_step_hands_mlx_one_position_and_length_for_all_layers",),
     ),
     Mutant(
+        "mlx-step-scalars-reshaped-per-layer",
+        "accelerated/caches/reads.py",
+        "    return mx.array([value], dtype=mx.int32)\n",
+        "    return mx.array(value, dtype=mx.int32)\n",
+        "the compiled step's write position and active length are int32 scalars, which its "
+        "graph reshapes for the kernels once per layer (COMPILE-3)",
+        (f"{STEP_OPS}::test_a_compiled_step_hands_its_kernels_the_inputs_as_given",),
+    ),
+    Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
         "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
-        "row_count(rows))\n",
+        "int32_single(rows))\n",
         "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
         "mx.array([rows], dtype=mx.int32))\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
@@ -650,6 +659,15 @@ CATALOGUE = (
         "the compiled step's slot variant takes the registers the compiler gives it, three "
         "blocks an SM for affine 8-bit where the split counts on four (READ-7 on CUDA)",
         (f"{CUDA_SOURCE}::test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on",),
+    ),
+    Mutant(
+        "mlx-step-evaluated-after-the-commits",
+        "accelerated/caches/compiled.py",
+        "        mx.async_eval(outputs, step_outputs)\n",
+        "        pass\n",
+        "the compiled step's graph waits for the caller's evaluation, after every commit, "
+        "instead of running while the host commits (COMPILE-6)",
+        (f"{COMPILED}::test_the_device_starts_before_the_commits",),
     ),
 )
 

@@ -44,6 +44,12 @@ class CompiledDecode(compiled.CompiledDecode):
     def compile_graph(graph: Callable[..., Any]) -> Callable[..., Any]:
         return mx.compile(graph)
 
+    @staticmethod
+    def start_evaluation(outputs: Any, step_outputs: Sequence[Any]) -> None:
+        """The device runs the step's graph while the host commits every cache (the
+        commits' writes are left to the next step)."""
+        mx.async_eval(outputs, step_outputs)
+
 
 def compile_decode(step_fn: Callable[..., Any], caches: Sequence[Any]) -> CompiledDecode:
     """COMPILE-6: `step_fn(traces, *args)` over the MLX `caches`, compiled; returns

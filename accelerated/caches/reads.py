@@ -176,7 +176,7 @@ class ReadMethods(reads.ReadMethods):
             return self._read_of(tuple(field[:, :, :rows] for field in fields))
 
         stored, codebook, signs = self._stored_rows(fields)
-        return StoredRead(stored, read_dtype, codebook, signs, decoded, row_count(rows))
+        return StoredRead(stored, read_dtype, codebook, signs, decoded, int32_single(rows))
 
     def _stored_rows(self, fields: Fields) -> tuple[Stored, mx.array | None, mx.array | None]:
         """READ-7: the stored fields as the kernels read them, with the value codebook and
@@ -196,10 +196,11 @@ class ReadMethods(reads.ReadMethods):
             return portable
         assert self.layout is not None
         stored, codebook, signs = self._stored_rows(fields)
-        slot = self._write_slot(position.reshape(1), new)
+        slot = self._write_slot(position, new)
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
-        rows = active_length.reshape(1)
-        return StoredRead(stored, read_dtype, codebook, signs, lambda: portable, rows, slot)
+        return StoredRead(
+            stored, read_dtype, codebook, signs, lambda: portable, active_length, slot
+        )
 
     def _write_slot(self, position: mx.array, new: Fields) -> WriteSlot:
         """COMPILE-4: the new position's fields `new` as the kernels read them at buffer row
@@ -255,8 +256,9 @@ class ReadMethods(reads.ReadMethods):
     def _int32_scalar(value: int) -> mx.array:
         """COMPILE-3 on MLX: one array per value, shared by every cache of a step (arrays are
         values), so that a step over many layers hands the device its write position and
-        active length once, not once per layer."""
-        return int32_scalar(value)
+        active length once, not once per layer; int32 [1], as the kernels take them, so
+        that the graph holds no reshape of them per layer."""
+        return int32_single(value)
 
     def _rank_input(self) -> mx.array:
         """The running rank as the compiled step reads it (COMPILE-3): uint32 [1], zero
@@ -289,16 +291,10 @@ def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:
 
 
 @lru_cache(maxsize=8)
-def int32_scalar(value: int) -> mx.array:
-    """`value` as an int32 scalar array, made once while it is among the last few asked for."""
-    return mx.array(value, dtype=mx.int32)
-
-
-@lru_cache(maxsize=8)
-def row_count(rows: int) -> mx.array:
-    """A read's live row count as the kernels take it (int32 [1]), made once while it is
-    among the last few asked for: the caches of one step share it."""
-    return mx.array([rows], dtype=mx.int32)
+def int32_single(value: int) -> mx.array:
+    """`value` as int32 [1], the form the kernels take a row count or a write row in, made
+    once while it is among the last few asked for: the caches of one step share it."""
+    return mx.array([value], dtype=mx.int32)
 
 
 def running(storage: ReadMethods) -> mx.array | None:

@@ -281,6 +281,11 @@ class CompiledDecode:
         """NumPy has no compiler: the traced step runs as written."""
         return graph
 
+    @staticmethod
+    def start_evaluation(outputs: Any, step_outputs: Sequence[Any]) -> None:
+        """COMPILE-6: hand the step's outputs to the device before the commits. NumPy has
+        computed them already."""
+
     def __call__(self, *args: Any) -> Any:
         plans = [cache.prepare_decode_step() for cache in self.caches]
         slots = [cache.decode_slot(plan) for cache, plan in zip(self.caches, plans, strict=True)]
@@ -292,6 +297,7 @@ class CompiledDecode:
                 del self.graphs[next(iter(self.graphs))]
             self.graphs[key] = self.compile_graph(self._graph(slots))
         outputs, step_outputs = self.graphs[key](args, inputs)
+        self.start_evaluation(outputs, step_outputs)
         for cache, slot, outs in zip(self.caches, slots, step_outputs, strict=True):
             cache.commit_decode_step(slot, outs)
         return outputs
