@@ -54,6 +54,11 @@ _CUDA_TYPES = {
 }
 
 
+def cuda_type(dtype: mx.Dtype) -> str:
+    """The CUDA type MLX declares for an array of `dtype` in a kernel's signature."""
+    return _CUDA_TYPES[dtype][0]
+
+
 def cuda_kernel(name: str, source: str, constants: Sequence[Constant], **options: Any) -> Any:
     """`mx.fast.cuda_kernel` with its template constants written into the source and the
     name as MLX writes template arguments (custom_kernel.cpp: `build_kernel` declares them
@@ -71,8 +76,7 @@ def cuda_kernel(name: str, source: str, constants: Sequence[Constant], **options
             declarations.append(f"  constexpr int {constant} = {value};\n")
             suffix.append(f"_{value}" if value >= 0 else f"_n{-value}")
         else:
-            cuda_type, type_name = _CUDA_TYPES[value]
-            declarations.append(f"  using {constant} = {cuda_type};\n")
-            suffix.append(f"_{type_name}")
+            declarations.append(f"  using {constant} = {cuda_type(value)};\n")
+            suffix.append(f"_{_CUDA_TYPES[value][1]}")
     body = "".join(declarations) + "\n" + source if declarations else source
     return mx.fast.cuda_kernel(name=name + "".join(suffix), source=body, **options)

@@ -54,64 +54,15 @@ BUDGETS = {
 }
 
 
-class Launches(Counter):
-    """Stand-in kernel launches by kernel name, and every array they were given."""
-
-    inputs: list
-
-
 @pytest.fixture
-def cuda_path(backend: Backend, monkeypatch):
+def cuda_path(backend: Backend):
     """The accelerated backend's CUDA path with stand-in kernels; yields their Launches."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's decode step")
-    import mlx.core as mx
+    from kvspec.conformance.stand_ins import cuda_path as stood_in
 
-    from kvspec.accelerated import (
-        affine,
-        affine_kernels,
-        attention_kernels,
-        turboquant,
-        turboquant_kernels,
-    )
-    from kvspec.accelerated.caches import reads
-    from kvspec.accelerated.caches import turboquant as turboquant_caches
-
-    launches = Launches()
-    launches.inputs = []
-
-    def stand_in(name: str, **_: object):
-        def launch(*, inputs, output_shapes, output_dtypes, **options: object) -> list:
-            # A kernel's constants are in its source (cuda_source.cuda_kernel): MLX
-            # formats every template argument of a call at every call.
-            assert "template" not in options, name
-            launches[name] += 1
-            launches.inputs.extend(inputs)
-            return [
-                mx.zeros(shape, dtype)
-                for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
-            ]
-
-        return launch
-
-    # Every cache of kernel objects: a kernel (or a read's launch) made by another test's
-    # stand-in would count its launches there.
-    factories = [
-        *attention_kernels.KERNEL_CACHES,
-        *affine_kernels.KERNEL_CACHES,
-        *turboquant_kernels.KERNEL_CACHES,
-    ]
-    for factory in factories:
-        factory.cache_clear()
-    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
-    monkeypatch.setattr(reads, "fused_kernels_enabled", lambda: True)
-    monkeypatch.setattr(turboquant, "fused_kernels_enabled", lambda: True)
-    monkeypatch.setattr(turboquant_caches, "fused_kernels_enabled", lambda: True)
-    monkeypatch.setattr(affine, "_default_encoder", lambda: "cuda")
-    monkeypatch.setattr(attention_kernels, "supported", lambda *_: True)
-    yield launches
-    for factory in factories:
-        factory.cache_clear()
+    with stood_in() as launches:
+        yield launches
 
 
 def _primitives(arrays: list) -> Counter:

@@ -658,7 +658,11 @@ CATALOGUE = (
         "    if True:\n",
         "the compiled step's slot variant takes the registers the compiler gives it, three "
         "blocks an SM for affine 8-bit where the split counts on four (READ-7 on CUDA)",
-        (f"{CUDA_SOURCE}::test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on",),
+        (
+            f"{CUDA_SOURCE}::test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on",
+            "tools/test_cuda_build.py::"
+            "test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on",
+        ),
     ),
     Mutant(
         "mlx-step-evaluated-after-the-commits",

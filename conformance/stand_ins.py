@@ -1,0 +1,111 @@
+"""The MLX backend's CUDA path on any device: every custom kernel stood in by a call that
+makes outputs of the shapes and dtypes asked for and records the launch. What the path
+builds in Python (which kernels, with what arrays and sources) is then seen on the CPU:
+`conformance/test_step_ops.py` counts a step's launches and arrays, `tools/cuda_build.py`
+compiles each kernel as MLX would. The stand-ins compute nothing: their outputs are zeros
+and depend on no input."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from unittest import mock
+
+if TYPE_CHECKING:  # the suite runs a port's backend without MLX
+    import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One kernel as the path made it (`mx.fast.cuda_kernel`'s arguments) and the arrays of
+    its first launch: what MLX needs to write the kernel's CUDA source."""
+
+    name: str
+    source: str
+    header: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    inputs: tuple[mx.array, ...]
+    output_dtypes: tuple[mx.Dtype, ...]
+
+
+class Launches(Counter):
+    """Stand-in launches by kernel name; every array they were given (`inputs`); each
+    kernel's first launch (`kernels`, by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[mx.array] = []
+        self.kernels: dict[str, KernelCall] = {}
+
+
+@contextmanager
+def cuda_path() -> Iterator[Launches]:
+    """The CUDA path with stand-in kernels, for the time of the block; yields its Launches.
+    Every cache of kernel objects is emptied before and after, so that no kernel made by
+    a real launch, or by another block's stand-in, is launched in its place."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import (
+        affine,
+        affine_kernels,
+        attention_kernels,
+        turboquant,
+        turboquant_kernels,
+    )
+    from kvspec.accelerated.caches import reads
+    from kvspec.accelerated.caches import turboquant as turboquant_caches
+
+    launches = Launches()
+
+    def stand_in(
+        name: str,
+        input_names: list[str],
+        output_names: list[str],
+        source: str,
+        header: str = "",
+        **_: object,
+    ):
+        def launch(*, inputs, output_shapes, output_dtypes, **options: object) -> list:
+            # A kernel's constants are in its source (cuda_source.cuda_kernel): MLX
+            # formats every template argument of a call at every call.
+            assert "template" not in options, name
+            launches[name] += 1
+            launches.inputs.extend(inputs)
+            launches.kernels.setdefault(
+                name,
+                KernelCall(
+                    name,
+                    source,
+                    header,
+                    tuple(input_names),
+                    tuple(output_names),
+                    tuple(inputs),
+                    tuple(output_dtypes),
+                ),
+            )
+            return [
+                mx.zeros(shape, dtype)
+                for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
+            ]
+
+        return launch
+
+    factories = [
+        *attention_kernels.KERNEL_CACHES,
+        *affine_kernels.KERNEL_CACHES,
+        *turboquant_kernels.KERNEL_CACHES,
+    ]
+    with ExitStack() as patches:
+        for factory in factories:
+            factory.cache_clear()
+        patches.callback(lambda: [factory.cache_clear() for factory in factories])
+        patches.enter_context(mock.patch.object(mx.fast, "cuda_kernel", stand_in))
+        for module in (reads, turboquant, turboquant_caches):
+            patches.enter_context(mock.patch.object(module, "fused_kernels_enabled", lambda: True))
+        patches.enter_context(mock.patch.object(affine, "_default_encoder", lambda: "cuda"))
+        patches.enter_context(mock.patch.object(attention_kernels, "supported", lambda *_: True))
+        yield launches

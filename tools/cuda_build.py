@@ -1,0 +1,205 @@
+"""Every custom kernel the CUDA path launches for bench's kinds, built offline as MLX builds
+it (nvcc in place of NVRTC, for the same architecture): the registers a thread, the bytes
+spilled and the static shared memory of each kernel, without a GPU.
+
+MLX (0.32, `mlx/backend/cuda/custom_kernel.cpp`) writes a custom kernel's source as its
+default header (MLX's device utilities), the kernel's header, then in namespace
+mlx::core::cu a `__global__ void custom_kernel_NAME(...)` taking each input as `const T*`
+followed by its Shape, Strides and ndim where the source names them (arrays of at least one
+dimension), then each output as `T*`, with the source as its body; NVRTC compiles it for
+the device's architecture (`sm_90a` on an H200). Here a short preamble stands in for MLX's
+header (the kernels' files need only its Shape and Strides, MAX_NDIM = 10), and ptxas
+reports what each compiled kernel uses. The kernels are the ones the path makes for a
+prefill of PREFILL positions, an eager decode step and a compiled step (its slot variant),
+32 query heads over 8 KV heads, found by running the path with stand-in kernels
+(`kvspec.conformance.stand_ins`).
+
+    python tools/cuda_build.py                            # bench's step kinds, head dim 128
+    python tools/cuda_build.py --kinds TurboQuant --head-dim 64 --keep /tmp/kernels
+    python tools/cuda_build.py --quick                    # one small kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from bench import KINDS, picks
+
+from kvspec.accelerated.caches.compiled import compile_decode
+from kvspec.accelerated.cuda_source import cuda_type
+from kvspec.conformance.stand_ins import KernelCall, cuda_path
+
+#: The kinds built unless --kinds says otherwise: bench's step table.
+DEFAULT_KINDS = (
+    "KVCache",
+    "QuantizedKVCache 4-bit g64",
+    "QuantizedKVCache 8-bit g64",
+    "TurboQuantKVCache k8v4 dense",
+)
+#: Positions of the prefill (an encode of many positions) before the decode steps.
+PREFILL = 64
+#: What stands in for MLX's default header (`mlx/backend/cuda/device/utils.cuh`, config.h).
+PREAMBLE = """#include <cooperative_groups.h>
+#include <cuda/std/array>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace mlx::core::cu {
+constexpr int MAX_NDIM = 10;
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}  // namespace mlx::core::cu
+"""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What ptxas reports of one compiled kernel."""
+
+    kernel: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+
+
+def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
+    """The kernels the CUDA path makes for each kind: a prefill, an eager decode step and a
+    compiled decode step, by kernel name."""
+    with cuda_path() as launches:
+        for kind in kinds:
+            cache = KINDS[kind](PREFILL + 8)
+            kv = mx.zeros((1, 8, PREFILL, head_dim), mx.bfloat16)
+            one = mx.ones((1, 8, 1, head_dim), mx.bfloat16)
+            queries = mx.ones((1, 32, 1, head_dim), mx.bfloat16)
+            cache.append_window(kv, kv)
+            cache.append_decode(one, one).attend(queries, head_dim**-0.5)
+
+            def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list:
+                return [trace.append_decode(k, v).attend(q, head_dim**-0.5) for trace in traces]
+
+            compile_decode(step_fn, [cache])(one, one, queries)
+        return dict(launches.kernels)
+
+
+def kernel_source(call: KernelCall) -> str:
+    """The kernel's whole CUDA source as MLX writes it, PREAMBLE for MLX's header."""
+    parameters = []
+    for name, array in zip(call.input_names, call.inputs, strict=True):
+        parameters.append(f"    const {cuda_type(array.dtype)}* {name}")
+        if array.ndim > 0:
+            if f"{name}_shape" in call.source:
+                parameters.append(f"    const __grid_constant__ Shape {name}_shape")
+            if f"{name}_strides" in call.source:
+                parameters.append(f"    const __grid_constant__ Strides {name}_strides")
+            if f"{name}_ndim" in call.source:
+                parameters.append(f"    const __grid_constant__ int {name}_ndim")
+    for name, dtype in zip(call.output_names, call.output_dtypes, strict=True):
+        parameters.append(f"    {cuda_type(dtype)}* {name}")
+    signature = ",\n".join(parameters)
+    return (
+        f"{PREAMBLE}{call.header}namespace mlx::core::cu {{\n\n"
+        "namespace cg = cooperative_groups;\n\n"
+        f"__global__ void custom_kernel_{call.name}(\n{signature}) {{\n"
+        f"{call.source}\n}}\n\n}} // namespace mlx::core::cu\n"
+    )
+
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_SHARED = re.compile(r"(\d+) bytes smem")
+
+
+def build(call: KernelCall, arch: str, directory: Path) -> Usage:
+    """Compile the kernel with nvcc (its source and cubin kept in `directory`) and read
+    ptxas's report of it."""
+    source = directory / f"{call.name}.cu"
+    source.write_text(kernel_source(call))
+    command = [
+        "nvcc",
+        "-cubin",
+        f"-arch={arch}",
+        "-std=c++17",
+        # NVRTC compiles MLX's kernels with --device-as-default-execution-space, under
+        # which the files' unannotated constexpr functions are device functions too.
+        "--expt-relaxed-constexpr",
+        "--resource-usage",
+        "-o",
+        str(directory / f"{call.name}.cubin"),
+        str(source),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {call.name}:\n{done.stderr[-4000:]}")
+    report = done.stdout + done.stderr
+    registers = _REGISTERS.search(report)
+    spills = _SPILLS.search(report)
+    shared = _SHARED.search(report)
+    if registers is None or spills is None:
+        raise RuntimeError(f"no ptxas report for {call.name}:\n{report[-2000:]}")
+    return Usage(
+        call.name,
+        int(registers.group(1)),
+        int(spills.group(1)),
+        int(spills.group(2)),
+        int(shared.group(1)) if shared else 0,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        metavar="TEXT",
+        help="bench's kinds whose names hold a TEXT (a whole name: that kind); by default "
+        + ", ".join(DEFAULT_KINDS),
+    )
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--arch", default="sm_90a", help="nvcc's -arch (MLX's on an H200)")
+    parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
+    parser.add_argument("--keep", help="write each kernel's .cu and .cubin here")
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument(
+        "--quick", action="store_true", help="only the smallest kernel of the first kind"
+    )
+    args = parser.parse_args(argv)
+    chosen = args.kinds or DEFAULT_KINDS
+    kinds = [kind for kind in KINDS if any(picks(text, kind) for text in chosen)]
+    if not kinds:
+        parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
+    if shutil.which("nvcc") is None:
+        parser.error("nvcc is not on the PATH")
+    calls = collect(kinds[:1] if args.quick else kinds, args.head_dim)
+    if args.quick:
+        smallest = min(calls.values(), key=lambda call: len(call.inputs))
+        calls = {smallest.name: smallest}
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(args.keep or scratch)
+        directory.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            usages = list(pool.map(lambda call: build(call, args.arch, directory), calls.values()))
+    print(f"{'kernel':96}  {'registers':>9}  {'spill st/ld B':>13}  {'smem B':>7}")
+    for usage in sorted(usages, key=lambda usage: usage.kernel):
+        spills = f"{usage.spill_stores}/{usage.spill_loads}"
+        print(f"{usage.kernel:96}  {usage.registers:9d}  {spills:>13}  {usage.shared_bytes:7d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"arch": args.arch, "rows": [asdict(usage) for usage in usages]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

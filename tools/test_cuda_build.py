@@ -1,0 +1,65 @@
+"""tools/cuda_build.py: the kernels the CUDA path makes are found on the CPU and written as
+MLX writes them; where nvcc is on the PATH they compile, and every decode-attention pass of
+bench's step kinds fits the blocks an SM that its split counts on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import cuda_build
+import pytest
+
+from kvspec.accelerated.attention_kernels import BLOCKS_PER_SM, WARPS
+from kvspec.accelerated.cuda_source import cuda_type
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+
+
+def test_the_path_makes_the_encode_pass_and_merge_of_each_step() -> None:
+    calls = cuda_build.collect(["TurboQuantKVCache k8v4 dense"], 128)
+    names = list(calls)
+    assert any(name.startswith("kvspec_turboquant_encode") for name in names)
+    passes = [name for name in names if name.startswith("kvspec_decode_attention")]
+    assert sum("_slot_" in name for name in passes) == 1  # the compiled step's
+    assert len(passes) == 2  # and the eager read's
+    assert any(name.startswith("kvspec_decode_merge_rotated") for name in names)
+
+
+def test_a_kernel_is_written_as_mlx_writes_it() -> None:
+    calls = cuda_build.collect(["KVCache"], 64)
+    call = next(call for name, call in calls.items() if "_slot_" in name)
+    source = cuda_build.kernel_source(call)
+    assert source.startswith(cuda_build.PREAMBLE + call.header)
+    assert f"__global__ void custom_kernel_{call.name}(\n" in source
+    for name, array in zip(call.input_names, call.inputs, strict=True):
+        assert f"    const {cuda_type(array.dtype)}* {name}" in source
+        # Shape and strides only where the body names them (MLX's rule).
+        assert (f"Shape {name}_shape" in source) == (f"{name}_shape" in call.source)
+    for name in call.output_names:
+        assert f"* {name}" in source
+    assert source.endswith(call.source + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+@needs_nvcc
+def test_quick_run_compiles_one_kernel(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    assert cuda_build.main(["--quick", "--keep", str(tmp_path), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["registers"] > 0 and row["spill_stores"] >= 0
+    assert (tmp_path / f"{row['kernel']}.cubin").stat().st_size > 0
+
+
+@needs_nvcc
+def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path: Path) -> None:
+    """READ-7 on CUDA: the split (TARGET_BLOCKS) counts on BLOCKS_PER_SM blocks of WARPS
+    warps resident per SM; a pass compiled to more registers a thread than an SM's 65536
+    allow for them runs a block fewer (the affine 8-bit slot variant did, at 139)."""
+    out = tmp_path / "rows.json"
+    assert cuda_build.main(["--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    passes = [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
+    assert len(passes) == 2 * len(cuda_build.DEFAULT_KINDS)  # eager and slot variants
+    limit = 65536 // (BLOCKS_PER_SM * WARPS * 32)
+    assert all(row["registers"] <= limit for row in passes), passes
