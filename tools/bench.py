@@ -690,6 +690,28 @@ def picks(text: str, name: str) -> bool:
     return name == text if text in KINDS else text in name
 
 
+def add_kinds_option(parser: argparse.ArgumentParser, default: Sequence[str]) -> None:
+    """The --kinds option of the tools that time or build a few of the bench's kinds."""
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        metavar="TEXT",
+        help="bench's kinds whose names hold a TEXT (a whole name: that kind); by default "
+        + ", ".join(default),
+    )
+
+
+def picked_kinds(
+    parser: argparse.ArgumentParser, texts: Sequence[str] | None, default: Sequence[str]
+) -> list[str]:
+    """The bench's kinds that --kinds TEXTs pick (`default`'s without any), in the bench's
+    order; a parser error where none is picked."""
+    kinds = [kind for kind in KINDS if any(picks(text, kind) for text in texts or default)]
+    if not kinds:
+        parser.error(f"no kind matches {texts}; kinds: {', '.join(KINDS)}")
+    return kinds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(

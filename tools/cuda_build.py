@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from bench import KINDS, picks
+from bench import KINDS, add_kinds_option, picked_kinds
 
 from kvspec.accelerated.caches.compiled import compile_decode
 from kvspec.accelerated.cuda_source import cuda_type
@@ -160,13 +160,7 @@ def build(call: KernelCall, arch: str, directory: Path) -> Usage:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--kinds",
-        nargs="+",
-        metavar="TEXT",
-        help="bench's kinds whose names hold a TEXT (a whole name: that kind); by default "
-        + ", ".join(DEFAULT_KINDS),
-    )
+    add_kinds_option(parser, DEFAULT_KINDS)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", default="sm_90a", help="nvcc's -arch (MLX's on an H200)")
     parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
@@ -176,10 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick", action="store_true", help="only the smallest kernel of the first kind"
     )
     args = parser.parse_args(argv)
-    chosen = args.kinds or DEFAULT_KINDS
-    kinds = [kind for kind in KINDS if any(picks(text, kind) for text in chosen)]
-    if not kinds:
-        parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
+    kinds = picked_kinds(parser, args.kinds, DEFAULT_KINDS)
     if shutil.which("nvcc") is None:
         parser.error("nvcc is not on the PATH")
     calls = collect(kinds[:1] if args.quick else kinds, args.head_dim)

@@ -35,9 +35,10 @@ import mlx.core as mx
 from bench import (
     KINDS,
     Row,
+    add_kinds_option,
     compiled_step,
     median,
-    picks,
+    picked_kinds,
     print_rates,
     rate_rows,
     read_bandwidth,
@@ -183,13 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", type=source, nargs="+", metavar="NAME=DIR")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument(
-        "--kinds",
-        nargs="+",
-        metavar="TEXT",
-        help="bench's kinds whose names hold a TEXT (a whole name: that kind); by default "
-        + ", ".join(DEFAULT_KINDS),
-    )
+    add_kinds_option(parser, DEFAULT_KINDS)
     parser.add_argument(
         "--step",
         choices=STEPS,
@@ -205,10 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len({name for name, _ in args.sources}) != len(args.sources):
         parser.error("each source needs a name of its own")
-    chosen = args.kinds or DEFAULT_KINDS
-    kinds = [kind for kind in KINDS if any(picks(text, kind) for text in chosen)]
-    if not kinds:
-        parser.error(f"no kind matches {args.kinds}; kinds: {', '.join(KINDS)}")
+    kinds = picked_kinds(parser, args.kinds, DEFAULT_KINDS)
     if args.quick:
         args.contexts, args.layers, args.turns = [64, 96], 2, 2
     if args.step != "read" and (
