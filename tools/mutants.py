@@ -665,6 +665,15 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "mlx-kernel-tables-rounded",
+        "accelerated/cuda_source.py",
+        'f"{float(value)!r}f"',
+        'f"{float(value):.6g}f"',
+        "the kernels' headers write TurboQuant's codebook and boundaries to six digits, not "
+        "the float32 each is (TQ-2 on CUDA)",
+        (f"{CUDA_SOURCE}::test_the_kernels_hold_turboquants_tables_bit_for_bit",),
+    ),
+    Mutant(
         "mlx-step-evaluated-after-the-commits",
         "accelerated/caches/compiled.py",
         "        mx.async_eval(outputs, step_outputs)\n",
