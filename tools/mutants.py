@@ -332,9 +332,8 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
-        "int32_single(rows))\n",
-        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
+        "        return StoredRead(stored, read_dtype, decoded, int32_single(rows))\n",
+        "        return StoredRead(stored, read_dtype, decoded, "
         "mx.array([rows], dtype=mx.int32))\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
