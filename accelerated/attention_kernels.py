@@ -51,6 +51,7 @@ import numpy as np
 
 from kvspec.accelerated.cuda_source import Constant, cuda_kernel, included
 from kvspec.accelerated.device import cuda_available
+from kvspec.accelerated.turboquant_kernels import CODEBOOK, SIGNS, constants_header
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 #: Storage formats of one side (keys or values) of a cache.
@@ -110,10 +111,10 @@ _GROUP_FIELDS[TURBO_VALUE] = (True, False)
 
 
 def _merge_call(rotated: bool) -> str:
-    """The body of a merge kernel; without rotation it takes no signs (a null pointer)."""
+    """The body of a merge kernel; without rotation it reads no signs (a null pointer)."""
     return (
         "kvspec_attn::merge_pass<DV, PARTS, MAX_SPLITS, ROTATED, OT, INV_SQRT_BITS>("
-        f"partial, stats, stats_shape, {'signs' if rotated else 'nullptr'}, out);"
+        f"partial, stats, stats_shape, {SIGNS if rotated else 'nullptr'}, out);"
     )
 
 
@@ -128,14 +129,13 @@ def _pass_inputs(
     key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool
 ) -> list[str]:
     """The inputs of a pass-1 kernel: the fields the two formats store (none stands in for
-    a field a format does not have) or the record that holds them all, the codebook for
-    TurboQuant values, the compiled step's row count and write slot where the variant takes
-    them."""
+    a field a format does not have) or the record that holds them all, the compiled step's
+    row count and write slot where the variant takes them. (TurboQuant's codebook is in
+    the kernel's header.)"""
     if record:
         return [
             "queries",
             "record",
-            *(["table"] if value_fmt == TURBO_VALUE else []),
             *(["rows"] if counted else []),
             *(["slot_row", "new_record"] if slot else []),
         ]
@@ -154,7 +154,6 @@ def _pass_inputs(
         "queries",
         *side("", "k"),
         *side("", "v"),
-        *(["table"] if value_fmt == TURBO_VALUE else []),
         *(["rows"] if counted else []),
         *(["slot_row", *side("new_", "k"), *side("new_", "v")] if slot else []),
     ]
@@ -179,14 +178,21 @@ def _record_offsets(
 
 
 def _partial_call(
-    mma: bool, counted: bool, slot: bool, inputs: list[str], offsets: tuple[int, ...] | None
+    mma: bool,
+    counted: bool,
+    slot: bool,
+    inputs: list[str],
+    offsets: tuple[int, ...] | None,
+    codebook: bool,
 ) -> str:
     """The body of a pass-1 kernel: one call of partial_pass with the kernel's `inputs`
-    (_pass_inputs). An argument without its input is a null pointer, and the key codes'
-    strides stand in for its strides (never read: the format has no such field, or
-    COUNTED and SLOT are false). With `offsets` (_record_offsets) a call of record_pass,
-    which reads the fields of `record` at those byte offsets."""
+    (_pass_inputs) and, for TurboQuant values (`codebook`), the header's codebook. An
+    argument without its input is a null pointer, and the key codes' strides stand in for
+    its strides (never read: the format has no such field, or COUNTED and SLOT are false).
+    With `offsets` (_record_offsets) a call of record_pass, which reads the fields of
+    `record` at those byte offsets."""
     flags = ", ".join("true" if on else "false" for on in (mma, counted, slot))
+    table = CODEBOOK if codebook else "nullptr"
 
     def pointer(name: str) -> str:
         return name if name in inputs else "nullptr"
@@ -196,7 +202,7 @@ def _partial_call(
             f"kvspec_attn::record_pass<{flags}, {_PARTIAL_CONSTANTS}, "
             f"{', '.join(str(offset) for offset in offsets)}>("
             "queries, queries_shape, queries_strides, record, record_shape, record_strides, "
-            f"{pointer('table')}, {pointer('rows')}, {pointer('slot_row')}, "
+            f"{table}, {pointer('rows')}, {pointer('slot_row')}, "
             f"{pointer('new_record')}, "
             f"{'new_record_strides' if 'new_record' in inputs else 'record_strides'}, "
             "partial, stats);"
@@ -223,7 +229,7 @@ def _partial_call(
     return (
         f"kvspec_attn::partial_pass<{flags}, {_PARTIAL_CONSTANTS}>("
         f"queries, queries_shape, queries_strides, {side('k', shape=True)}, {side('v')}, "
-        f"{pointer('table')}, {pointer('rows')}, {pointer('slot_row')}, {side('new_k')}, "
+        f"{table}, {pointer('rows')}, {pointer('slot_row')}, {side('new_k')}, "
         f"{side('new_v')}, partial, stats);"
     )
 
@@ -252,13 +258,17 @@ def _partial_kernel(
     inputs = _pass_inputs(key_fmt, value_fmt, counted, slot, offsets is not None)
     if offsets is not None:
         name += "_record_" + "_".join(str(offset) for offset in offsets)
+    rotated = value_fmt == TURBO_VALUE
+    offsets = _record_offsets(key_fmt, value_fmt, offsets)
+    # The codebook's bits are in the kernel's name (VBITS), so one name holds one codebook.
+    codebook_bits = dict(plan.partial_constants)["VBITS"] if rotated else 0
     return cuda_kernel(
         name,
-        _partial_call(mma, counted, slot, inputs, _record_offsets(key_fmt, value_fmt, offsets)),
+        _partial_call(mma, counted, slot, inputs, offsets, rotated),
         plan.partial_constants,
         input_names=inputs,
         output_names=["partial", "stats"],
-        header=_INCLUDE + (_slot_bounds(plan) if slot else ""),
+        header=_INCLUDE + constants_header(codebook_bits) + (_slot_bounds(plan) if slot else ""),
         ensure_row_contiguous=False,
         shared_memory=plan.shared_bytes[mma],
     )
@@ -266,13 +276,15 @@ def _partial_kernel(
 
 @cache
 def _merge_kernel(plan: _Plan, rotated: bool) -> object:
+    # The signs' head dim is in the kernel's name (DV).
+    signs_dim = dict(plan.merge_constants)["DV"] if rotated else 0
     return cuda_kernel(
         "kvspec_decode_merge" + ("_rotated" if rotated else ""),
         _merge_call(rotated),
         plan.merge_constants,
-        input_names=["partial", "stats", *(["signs"] if rotated else [])],
+        input_names=["partial", "stats"],
         output_names=["out"],
-        header=_INCLUDE,
+        header=_INCLUDE + constants_header(signs_dim=signs_dim),
     )
 
 
@@ -485,8 +497,6 @@ def decode_attention(
     queries: mx.array,
     stored: Stored,
     scale: float,
-    table: mx.array | None,
-    signs: mx.array | None,
     out_dtype: mx.Dtype,
     rows: mx.array | None = None,
     tensor_cores: bool | None = None,
@@ -494,8 +504,8 @@ def decode_attention(
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row of `stored`
     (the sides, the read covering the first T rows of the key codes; or a record, its T
-    rows), [B, Hq, 1, Dv] in `out_dtype`. `table` is the value codebook and `signs` the
-    sign vector of Dv for TURBO_VALUE (the output is unrotated); None otherwise. `rows`
+    rows), [B, Hq, 1, Dv] in `out_dtype`; TURBO_VALUE values are read with their codebook
+    and the output unrotated with the signs of Dv, both held by the kernels. `rows`
     (int32 [1]), when given, limits the read to the first rows[0] rows as data
     (COMPILE-4): splits are planned for the whole buffer, and a split past the count reads
     nothing. `tensor_cores` picks the pass-1 body (None: tensor cores wherever
@@ -512,8 +522,6 @@ def decode_attention(
         keys, values, offsets = side_format(stored[0]), side_format(stored[1]), None
         slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1][0]), *_fields(slot[1][1])]
     rotated = values.fmt == TURBO_VALUE
-    if rotated and (table is None or signs is None):
-        raise ValueError("TurboQuant values are read with their codebook and signs")
     launch = _launch(
         tuple(queries.shape),
         queries.dtype,
@@ -522,7 +530,7 @@ def decode_attention(
         Hk,
         T,
         scale,
-        table.size if rotated else 0,
+        1 << values.bits if rotated else 0,
         out_dtype,
         rows is not None,
         tensor_cores,
@@ -533,15 +541,12 @@ def decode_attention(
         inputs=[
             queries,
             *inputs,
-            *([table] if rotated else []),
             *([] if rows is None else [rows]),
             *slot_inputs,
         ],
         **launch.partial_options,
     )
-    (out,) = launch.merge(
-        inputs=[partial, stats, *([signs] if rotated else [])], **launch.merge_options
-    )
+    (out,) = launch.merge(inputs=[partial, stats], **launch.merge_options)
     return out
 
 

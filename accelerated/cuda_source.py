@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 #: The CUDA files the kernels include.
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
@@ -52,6 +53,16 @@ _CUDA_TYPES = {
     mx.bfloat16: ("__nv_bfloat16", "bfloat16_t"),
     mx.float32: ("float", "float"),
 }
+
+
+def device_array(name: str, values: np.ndarray) -> str:
+    """A kernel header's line declaring `values` (float32) as the namespace-scope array
+    `name` in device memory: constants a kernel holds in its source instead of taking them
+    as an input, which MLX would hand it at every launch. Each value is written as the
+    shortest decimal that reads back as its float64, which a float literal reads back as
+    the float32 it is (the two roundings of one exact value)."""
+    literals = ", ".join(f"{float(value)!r}f" for value in np.asarray(values, np.float32))
+    return f"__device__ const float {name}[{len(values)}] = {{{literals}}};\n"
 
 
 def cuda_type(dtype: mx.Dtype) -> str:

@@ -391,8 +391,6 @@ def _record_encode(
     return fused_encode(
         k,
         v,
-        boundaries(v_bits),
-        signs(k.shape[-1]),
         no_failure() if prior is None else prior,
         k_bits,
         v_bits,

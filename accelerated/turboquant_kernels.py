@@ -24,8 +24,9 @@ from functools import cache
 
 import mlx.core as mx
 
-from kvspec.accelerated.cuda_source import cuda_kernel, included
+from kvspec.accelerated.cuda_source import cuda_kernel, device_array, included
 from kvspec.accelerated.records import RecordLayout
+from kvspec.reference import turboquant as reference
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
@@ -38,14 +39,38 @@ _BLOCK_THREADS = 256
 
 #: The kernels' code (cuda_source.included): the source MLX builds at every call is a call.
 _INCLUDE = included("turboquant.cuh")
+
+#: The arrays of TurboQuant's constants that a kernel's header holds (`constants_header`):
+#: the value codebook and its boundaries (TQ-2), the sign vector of the head dim (TQ-1).
+CODEBOOK = "kvspec_codebook"
+BOUNDARIES = "kvspec_boundaries"
+SIGNS = "kvspec_signs"
+
+
+def constants_header(codebook_bits: int = 0, boundary_bits: int = 0, signs_dim: int = 0) -> str:
+    """Header lines declaring the codebook of `codebook_bits`, the boundaries of
+    `boundary_bits` and the signs of `signs_dim` (none for 0): the reference's tables, held
+    by the kernels that read them instead of taken as inputs, arrays that MLX would hand a
+    launch at every step. The bits and the head dim are in each kernel's name (its
+    constants), so one name holds one set of tables."""
+    lines = ""
+    if codebook_bits:
+        lines += device_array(CODEBOOK, reference.centroids(codebook_bits))
+    if boundary_bits:
+        lines += device_array(BOUNDARIES, reference.boundaries(boundary_bits))
+    if signs_dim:
+        lines += device_array(SIGNS, reference.signs(signs_dim))
+    return lines
+
+
 _DECODE_CALL = (
     "kvspec_tq::decode_row<D, KBITS, VBITS, DEFER, INV_SQRT_BITS>(k_idx, k_scales, k_zeros, "
     "v_packed, v_scales, centroids, signs, keys, values);"
 )
 _ENCODE_CALL = (
     "kvspec_tq::encode_rows<T, KI, D, P, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, "
-    "OFF_KI, OFF_KS, OFF_KZ, OFF_VP, OFF_VS>(k, k_shape, v, boundaries, signs, prior, record, "
-    "total);"
+    f"OFF_KI, OFF_KS, OFF_KZ, OFF_VP, OFF_VS>(k, k_shape, v, {BOUNDARIES}, {SIGNS}, prior, "
+    "record, total);"
 )
 
 
@@ -122,17 +147,15 @@ def _encode_kernel(
         "kvspec_turboquant_encode",
         _ENCODE_CALL,
         constants,
-        input_names=["k", "v", "boundaries", "signs", "prior"],
+        input_names=["k", "v", "prior"],
         output_names=["record", "total"],
-        header=_INCLUDE,
+        header=_INCLUDE + constants_header(boundary_bits=v_bits, signs_dim=D),
     )
 
 
 def fused_encode(
     k: mx.array,
     v: mx.array,
-    boundaries: mx.array,
-    signs: mx.array,
     prior: mx.array,
     k_bits: int,
     v_bits: int,
@@ -156,7 +179,7 @@ def fused_encode(
     )
     blocks = -(-rows // per_block)
     record, totals = _encode_kernel(k.dtype, D, elements, k_bits, v_bits, layout)(
-        inputs=[k, v, boundaries, signs, prior],
+        inputs=[k, v, prior],
         grid=(blocks * threads, per_block, 1),
         threadgroup=(threads, per_block, 1),
         output_shapes=[(B, H, L, layout.row_bytes), (blocks,)],

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from kvspec.conformance.backend import Backend
+from kvspec.conformance.compare import assert_same_bits
 
 
 def _calls() -> dict[str, tuple[str, str]]:
@@ -27,13 +29,16 @@ def _calls() -> dict[str, tuple[str, str]]:
     for mma in (False, True):
         for counted, slot in ((False, False), (True, False), (True, True)):
             for kind, (key_fmt, value_fmt) in _formats().items():
+                codebook = value_fmt == attention_kernels.TURBO_VALUE
                 inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot, False)
-                call = attention_kernels._partial_call(mma, counted, slot, inputs, None)
+                call = attention_kernels._partial_call(mma, counted, slot, inputs, None, codebook)
                 name = f"attention pass 1 {kind} mma={mma} counted={counted} slot={slot}"
                 calls[name] = (call, "decode_attention.cuh")
                 inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot, True)
                 offsets = _record_offsets(key_fmt, value_fmt)
-                call = attention_kernels._partial_call(mma, counted, slot, inputs, offsets)
+                call = attention_kernels._partial_call(
+                    mma, counted, slot, inputs, offsets, codebook
+                )
                 calls[f"{name} record"] = (call, "decode_attention.cuh")
     return calls
 
@@ -68,11 +73,15 @@ def _parameters(code: str, function: str) -> list[str]:
 
 def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) -> None:
     """Every argument is its parameter's namesake (so MLX, which passes an input's shape or
-    strides only when the source names them, passes what the function reads), or a stand-in
-    for an input the variant does not have (a null pointer, the key codes' strides)."""
+    strides only when the source names them, passes what the function reads), a stand-in
+    for an input the variant does not have (a null pointer, the key codes' strides), or
+    the array of TurboQuant's constants that the kernel's header holds for it."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's CUDA sources")
+    from kvspec.accelerated import turboquant_kernels as tq
     from kvspec.accelerated.cuda_source import CUDA_DIR
+
+    held = {"table": tq.CODEBOOK, "boundaries": tq.BOUNDARIES, "signs": tq.SIGNS}
 
     for name, (call, file) in _calls().items():
         assert len(call) < 1024, name
@@ -86,7 +95,7 @@ def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) ->
                 "nullptr",
                 "record_strides" if name.endswith("record") else "k_codes_strides",
             )
-            assert argument in (parameter, *stand_ins), (name, parameter)
+            assert argument in (parameter, *stand_ins, held.get(parameter)), (name, parameter)
     calls = _calls()
     pass1 = calls["attention pass 1 turboquant mma=True counted=False slot=False"][0]
     assert "rows" not in pass1 and "slot_row" not in pass1
@@ -96,8 +105,9 @@ def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) ->
     plain = calls["attention pass 1 plain mma=True counted=True slot=True"][0]
     assert "k_scales" not in plain and "table" not in plain and "new_v_biases" not in plain
     turbo = calls["attention pass 1 turboquant mma=True counted=True slot=True"][0]
-    assert "table," in turbo and "new_k_biases," in turbo and "v_biases" not in turbo
+    assert f"{tq.CODEBOOK}," in turbo and "new_k_biases," in turbo and "v_biases" not in turbo
     assert "signs" not in calls["attention merge"][0]
+    assert f"{tq.SIGNS}," in calls["attention merge, rotated"][0]
     # A record variant reads every field of the record at its offset: TurboQuant values have
     # no biases (-1). Its only stored inputs are the record and the slot's record row.
     record = calls["attention pass 1 turboquant mma=True counted=True slot=True record"][0]
@@ -195,3 +205,29 @@ def test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on(
     if bounded:
         # MLX declares the kernel after the header: `__global__` carries the bounds there.
         assert slot.endswith(f"#define __global__ __location__(global) {bounds}\n")
+
+
+def test_the_kernels_hold_turboquants_tables_bit_for_bit(backend: Backend) -> None:
+    """TQ-1, TQ-2 on CUDA: the codebook, its boundaries and the sign vector that the
+    kernels' headers declare (instead of taking them as inputs at every launch) read back as
+    the reference's float32 tables, bit for bit, for every width and head dim."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's CUDA sources")
+    from kvspec.accelerated import turboquant_kernels as tq
+    from kvspec.reference import turboquant as reference
+
+    def declared(header: str, name: str) -> np.ndarray:
+        match = re.search(rf"__device__ const float {name}\[(\d+)\] = \{{([^}}]*)\}};", header)
+        assert match is not None, name
+        values = [float(literal.removesuffix("f")) for literal in match.group(2).split(", ")]
+        assert len(values) == int(match.group(1))
+        return np.array(values, np.float32)
+
+    for bits in reference.VALUE_BITS:
+        header = tq.constants_header(codebook_bits=bits, boundary_bits=bits)
+        assert_same_bits(declared(header, tq.CODEBOOK), reference.centroids(bits), "codebook")
+        assert_same_bits(declared(header, tq.BOUNDARIES), reference.boundaries(bits), "bounds")
+    for head_dim in reference.SIGN_HEX:
+        header = tq.constants_header(signs_dim=head_dim)
+        assert_same_bits(declared(header, tq.SIGNS), reference.signs(head_dim), "signs")
+    assert tq.constants_header() == ""

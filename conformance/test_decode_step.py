@@ -488,9 +488,7 @@ def _assert_refused(sides: tuple, tensor_cores: bool, match: str) -> None:
 
     queries = mx.zeros((1, 2, 1, sides[0].dim), mx.bfloat16)
     with pytest.raises(ValueError, match=match):
-        kernels.decode_attention(
-            queries, sides, 0.1, None, None, mx.bfloat16, tensor_cores=tensor_cores
-        )
+        kernels.decode_attention(queries, sides, 0.1, mx.bfloat16, tensor_cores=tensor_cores)
 
 
 def test_tensor_core_fit_takes_the_head_dims_and_groups_it_was_tested_on(backend) -> None:

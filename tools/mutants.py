@@ -332,9 +332,8 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
-        "int32_single(rows))\n",
-        "        return StoredRead(stored, read_dtype, codebook, signs, decoded, "
+        "        return StoredRead(stored, read_dtype, decoded, int32_single(rows))\n",
+        "        return StoredRead(stored, read_dtype, decoded, "
         "mx.array([rows], dtype=mx.int32))\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
@@ -663,6 +662,15 @@ CATALOGUE = (
             "tools/test_cuda_build.py::"
             "test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on",
         ),
+    ),
+    Mutant(
+        "mlx-kernel-tables-rounded",
+        "accelerated/cuda_source.py",
+        'f"{float(value)!r}f"',
+        'f"{float(value):.6g}f"',
+        "the kernels' headers write TurboQuant's codebook and boundaries to six digits, not "
+        "the float32 each is (TQ-2 on CUDA)",
+        (f"{CUDA_SOURCE}::test_the_kernels_hold_turboquants_tables_bit_for_bit",),
     ),
     Mutant(
         "mlx-step-evaluated-after-the-commits",

@@ -35,9 +35,7 @@ class AffineFields(quantized.AffineFields):
         )
         return tuple(fields), failure
 
-    def _stored_sides(
-        self, fields: Fields
-    ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
+    def _stored_sides(self, fields: Fields) -> tuple[StoredSide, StoredSide]:
         """READ-7: words, scales and biases of keys and values (AFF-5)."""
         k_words, k_scales, k_biases, v_words, v_scales, v_biases = fields
         sides = [
@@ -48,7 +46,7 @@ class AffineFields(quantized.AffineFields):
             )
             for dim in [words.shape[-1] * 32 // self.bits]
         ]
-        return sides[0], sides[1], None, None
+        return sides[0], sides[1]
 
 
 class AffineRecordFields(AffineFields):

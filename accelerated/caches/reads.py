@@ -100,9 +100,6 @@ class StoredRead:
     stored: Stored
     #: The format keys are read in (the layout's dtype; float32 for TurboQuant, TQC-2).
     read_dtype: mx.Dtype
-    #: TurboQuant values: the codebook and the sign vector that unrotates the output.
-    codebook: mx.array | None
-    signs: mx.array | None
     decoded: Callable[[], Read]
     #: The live row count as data (int32 [1]; COMPILE-4 in the compiled step): the kernels
     #: read the first rows[0] rows of the buffers. None: every row read.
@@ -127,8 +124,6 @@ class StoredRead:
             queries,
             self.stored,
             scale,
-            self.codebook,
-            self.signs,
             self.read_dtype,
             self.rows,
             tensor_cores=tensor_cores,
@@ -175,14 +170,12 @@ class ReadMethods(reads.ReadMethods):
         def decoded() -> Read:
             return self._read_of(tuple(field[:, :, :rows] for field in fields))
 
-        stored, codebook, signs = self._stored_rows(fields)
-        return StoredRead(stored, read_dtype, codebook, signs, decoded, int32_single(rows))
+        stored = self._stored_rows(fields)
+        return StoredRead(stored, read_dtype, decoded, int32_single(rows))
 
-    def _stored_rows(self, fields: Fields) -> tuple[Stored, mx.array | None, mx.array | None]:
-        """READ-7: the stored fields as the kernels read them, with the value codebook and
-        signs (`_stored_sides`)."""
-        keys, values, codebook, signs = self._stored_sides(fields)
-        return (keys, values), codebook, signs
+    def _stored_rows(self, fields: Fields) -> Stored:
+        """READ-7: the stored fields as the kernels read them (`_stored_sides`)."""
+        return self._stored_sides(fields)
 
     def _slot_read(
         self, fields: Fields, new: Fields, position: mx.array, active_length: mx.array
@@ -195,17 +188,15 @@ class ReadMethods(reads.ReadMethods):
         if not fused_kernels_enabled():
             return portable
         assert self.layout is not None
-        stored, codebook, signs = self._stored_rows(fields)
+        stored = self._stored_rows(fields)
         slot = self._write_slot(position, new)
         read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
-        return StoredRead(
-            stored, read_dtype, codebook, signs, lambda: portable, active_length, slot
-        )
+        return StoredRead(stored, read_dtype, lambda: portable, active_length, slot)
 
     def _write_slot(self, position: mx.array, new: Fields) -> WriteSlot:
         """COMPILE-4: the new position's fields `new` as the kernels read them at buffer row
         position[0]."""
-        new_keys, new_values, _, _ = self._stored_sides(new)
+        new_keys, new_values = self._stored_sides(new)
         return WriteSlot(position, (new_keys, new_values))
 
     def _window_rows(self, plan: DecodePlan, length: int) -> int:
@@ -239,17 +230,13 @@ class ReadMethods(reads.ReadMethods):
         """READ-2's read of live fields, decoded."""
         return self.dense_read(*self._decode(live), None)
 
-    def _stored_sides(
-        self, fields: Fields
-    ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
-        """READ-7: keys and values of the stored fields as they lie, with the value codebook
-        and signs where values stay rotated. Here fields stored as given (CACHE-3, RING-1)."""
+    def _stored_sides(self, fields: Fields) -> tuple[StoredSide, StoredSide]:
+        """READ-7: keys and values of the stored fields as they lie. Here fields stored as
+        given (CACHE-3, RING-1)."""
         keys, values = fields
         return (
             StoredSide(PLAIN, keys, None, None, 0, 0, keys.shape[-1]),
             StoredSide(PLAIN, values, None, None, 0, 0, values.shape[-1]),
-            None,
-            None,
         )
 
     @staticmethod

@@ -47,9 +47,8 @@ class RecordFields(Sequence):
 
 #: What the kernels read a record with, by storage type, signature and record layout
 #: (which decide it; a layout alone does not: 8-bit groups of 32 at head dim 32 lay out as
-#: 4-bit groups of 64 at 64): its RecordFormat, the value codebook and the sign vector
-#: (`_stored_sides`).
-_READ_FORMATS: dict[tuple[type, str, RecordLayout], tuple[RecordFormat, Any, Any]] = {}
+#: 4-bit groups of 64 at 64): its RecordFormat (`_stored_sides`).
+_READ_FORMATS: dict[tuple[type, str, RecordLayout], RecordFormat] = {}
 
 
 class RecordStorage:
@@ -116,16 +115,15 @@ class RecordStorage:
             return super()._write_slot(position, new)  # type: ignore[misc]
         return WriteSlot(position, new.record)
 
-    def _stored_rows(self, fields: Fields) -> tuple[Any, Any, Any]:
-        """READ-7: the record as the kernels read it (one input), with the value codebook
-        and signs."""
+    def _stored_rows(self, fields: Fields) -> Any:
+        """READ-7: the record as the kernels read it (one input)."""
         if not isinstance(fields, RecordFields):
             return super()._stored_rows(fields)  # type: ignore[misc]
         signature = self.signature()  # type: ignore[attr-defined]
         key = (type(self), signature, fields.layout)
-        found = _READ_FORMATS.get(key)
-        if found is None:
-            keys, values, codebook, signs = self._stored_sides(fields)  # type: ignore[attr-defined]
+        record_format = _READ_FORMATS.get(key)
+        if record_format is None:
+            keys, values = self._stored_sides(fields)  # type: ignore[attr-defined]
             # The sides hold views of the record: each field's offset is its view's.
             views = [id(view) for view in fields]
             stored = [
@@ -135,10 +133,9 @@ class RecordStorage:
                 if array is not None
             ]
             offsets = tuple(fields.layout.offsets[i] for i in stored)
-            found = (RecordFormat(side_format(keys), side_format(values), offsets), codebook, signs)
-            _READ_FORMATS[key] = found
-        record_format, codebook, signs = found
-        return StoredRecord(fields.record, record_format), codebook, signs
+            record_format = RecordFormat(side_format(keys), side_format(values), offsets)
+            _READ_FORMATS[key] = record_format
+        return StoredRecord(fields.record, record_format)
 
 
 class GrowingRecordStorage(RecordStorage):

@@ -64,13 +64,12 @@ class TurboQuantKVCache(GrowingRecordStorage, GrowingStorage, reference.TurboQua
         stored = self._decode_rotated(self._values_hidden(fields, visible))
         return SlotRead(*stored, *self._decode_rotated(new), visible, turboquant.unrotate)
 
-    def _stored_sides(
-        self, fields: Fields
-    ) -> tuple[StoredSide, StoredSide, mx.array | None, mx.array | None]:
+    def _stored_sides(self, fields: Fields) -> tuple[StoredSide, StoredSide]:
         """READ-7: key codes with scales and zero points (TQ-4), value codes with scales
-        (TQ-7); the output is unrotated once, whichever kernels the cache names (TQC-4)."""
+        (TQ-7); the output is unrotated once, whichever kernels the cache names (TQC-4), with
+        the codebook and signs the kernels hold."""
         k_idx, k_scales, k_zeros, v_packed, v_scales = fields
         head_dim = k_scales.shape[-1] * turboquant.BLOCK_SIZE
         keys = StoredSide(TURBO_KEY, k_idx, k_scales, k_zeros, self.k_bits, 32, head_dim)
         values = StoredSide(TURBO_VALUE, v_packed, v_scales, None, self.v_bits, 32, head_dim)
-        return keys, values, turboquant.centroids(self.v_bits), turboquant.signs(head_dim)
+        return keys, values
