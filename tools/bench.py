@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from itertools import pairwise
+from typing import Any
 
 import mlx.core as mx
 
@@ -51,27 +52,32 @@ QUERY_HEADS = 32
 HEAD_DIM = 128
 
 #: The cache kinds of the step table: a name and a factory of an empty cache of T positions'
-#: room. Every encoding cache defers its checks (DEFER-3): a decode step must not wait.
-KINDS: dict[str, Callable[[int], caches.Cache]] = {
-    "KVCache": lambda T: caches.KVCache(),
-    "RotatingKVCache": lambda T: caches.RotatingKVCache(T),
-    "QuantizedKVCache 4-bit g64": lambda T: caches.QuantizedKVCache(64, 4, checks="deferred"),
-    "QuantizedKVCache 8-bit g64": lambda T: caches.QuantizedKVCache(64, 8, checks="deferred"),
-    "RotatingQuantizedKVCache 4-bit g64": lambda T: caches.RotatingQuantizedKVCache(
+#: room from a `caches` module (this package's, or another version's: tools/tree_ab.py).
+#: Every encoding cache defers its checks (DEFER-3): a decode step must not wait.
+KIND_FACTORIES: dict[str, Callable[[Any, int], caches.Cache]] = {
+    "KVCache": lambda c, T: c.KVCache(),
+    "RotatingKVCache": lambda c, T: c.RotatingKVCache(T),
+    "QuantizedKVCache 4-bit g64": lambda c, T: c.QuantizedKVCache(64, 4, checks="deferred"),
+    "QuantizedKVCache 8-bit g64": lambda c, T: c.QuantizedKVCache(64, 8, checks="deferred"),
+    "RotatingQuantizedKVCache 4-bit g64": lambda c, T: c.RotatingQuantizedKVCache(
         T, 64, 4, checks="deferred"
     ),
-    "TurboQuantKVCache k8v4 dense": lambda T: caches.TurboQuantKVCache(
+    "TurboQuantKVCache k8v4 dense": lambda c, T: c.TurboQuantKVCache(
         8, 4, "dense", checks="deferred"
     ),
-    "TurboQuantKVCache k8v4 deferred": lambda T: caches.TurboQuantKVCache(
+    "TurboQuantKVCache k8v4 deferred": lambda c, T: c.TurboQuantKVCache(
         8, 4, "deferred", checks="deferred"
     ),
-    "scheme affine:4:64 (bf16-first)": lambda T: caches.composed_full_attention_cache(
-        caches.parse_scheme("affine:4:64"), 0, checks="deferred"
+    "scheme affine:4:64 (bf16-first)": lambda c, T: c.composed_full_attention_cache(
+        c.parse_scheme("affine:4:64"), 0, checks="deferred"
     ),
-    "scheme turbo:k8v4 (bf16-first)": lambda T: caches.composed_full_attention_cache(
-        caches.parse_scheme("turbo:k8v4"), 0, checks="deferred"
+    "scheme turbo:k8v4 (bf16-first)": lambda c, T: c.composed_full_attention_cache(
+        c.parse_scheme("turbo:k8v4"), 0, checks="deferred"
     ),
+}
+#: The same factories over this package's caches: a name and a factory of T positions' room.
+KINDS: dict[str, Callable[[int], caches.Cache]] = {
+    name: partial(factory, caches) for name, factory in KIND_FACTORIES.items()
 }
 
 
