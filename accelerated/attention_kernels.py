@@ -259,12 +259,12 @@ def _partial_kernel(
     if offsets is not None:
         name += "_record_" + "_".join(str(offset) for offset in offsets)
     rotated = value_fmt == TURBO_VALUE
-    offsets = _record_offsets(key_fmt, value_fmt, offsets)
     # The codebook's bits are in the kernel's name (VBITS), so one name holds one codebook.
     codebook_bits = dict(plan.partial_constants)["VBITS"] if rotated else 0
+    call_offsets = _record_offsets(key_fmt, value_fmt, offsets)
     return cuda_kernel(
         name,
-        _partial_call(mma, counted, slot, inputs, offsets, rotated),
+        _partial_call(mma, counted, slot, inputs, call_offsets, rotated),
         plan.partial_constants,
         input_names=inputs,
         output_names=["partial", "stats"],

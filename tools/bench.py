@@ -487,16 +487,18 @@ def compiled_step(
     v: mx.array,
     q: mx.array,
     chain: bool = False,
+    compile_step: Callable[..., Any] = compile_decode,
 ) -> Callable[[], list[mx.array]]:
     """The same decode step over every layer as one compiled graph (spec COMPILE-6): the
-    layers independent, or with `chain` each attending with the output of the one before."""
+    layers independent, or with `chain` each attending with the output of the one before.
+    `compile_step` is a version's `compile_decode` (tools/tree_ab.py: another's)."""
 
     def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list[mx.array]:
         layers = [chained_layer(trace, k, v) for trace in traces]
         return [chained(q, layers)] if chain else [layer(q) for layer in layers]
 
     # A partial keeps the compiled step in sight (`.func.graphs`: the graphs traced so far).
-    return partial(compile_decode(step_fn, layer_caches), k, v, q)
+    return partial(compile_step(step_fn, layer_caches), k, v, q)
 
 
 def encode_rows(positions: int, repeats: int) -> list[Row]:

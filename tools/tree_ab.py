@@ -25,12 +25,20 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 from types import ModuleType
 
 import mlx.core as mx
-from bench import KIND_FACTORIES, add_kinds_option, chained, median, picked_kinds, samples
+from bench import (
+    HEAD_DIM,
+    KIND_FACTORIES,
+    add_kinds_option,
+    chained_layer,
+    compiled_step,
+    median,
+    picked_kinds,
+    samples,
+)
 
 from kvspec.accelerated import caches as this_caches
 from kvspec.accelerated.caches import compiled as this_compiled
@@ -89,21 +97,14 @@ def step_run(
     """One version's step over `layers` caches of `kind` filled with `inputs[0]` as keys and
     values, each step appending `inputs[1]` and attending with `inputs[2]`."""
     prefill, new, queries = inputs
-    scale = queries.shape[-1] ** -0.5
     layer_caches = [KIND_FACTORIES[kind](caches, context + 64) for _ in range(layers)]
     for cache in layer_caches:
         cache.append_window(prefill, prefill)
     mx.eval([cache.state().arrays for cache in layer_caches])
     if step == "eager":
-        return lambda: [c.append_decode(new, new).attend(queries, scale) for c in layer_caches]
-
-    def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list[mx.array]:
-        layer_steps = [lambda x, t=t: t.append_decode(k, v).attend(x, scale) for t in traces]
-        if step == "chained":
-            return [chained(q, layer_steps)]
-        return [layer_step(q) for layer_step in layer_steps]
-
-    return partial(compiled.compile_decode(step_fn, layer_caches), new, new, queries)
+        return lambda: [chained_layer(c, new, new)(queries) for c in layer_caches]
+    chain = step == "chained"
+    return compiled_step(layer_caches, new, new, queries, chain, compiled.compile_decode)
 
 
 def rows(
@@ -116,11 +117,10 @@ def rows(
 ) -> list[dict]:
     """Each version's step at one context, taking turns: µs per layer (median and fastest)
     and the outputs' largest difference from the first version's after as many steps."""
-    head_dim = 128
     inputs = (
-        mx.random.normal((1, 8, context, head_dim)).astype(mx.bfloat16),
-        mx.random.normal((1, 8, 1, head_dim)).astype(mx.bfloat16),
-        mx.random.normal((1, 32, 1, head_dim)).astype(mx.bfloat16),
+        mx.random.normal((1, 8, context, HEAD_DIM)).astype(mx.bfloat16),
+        mx.random.normal((1, 8, 1, HEAD_DIM)).astype(mx.bfloat16),
+        mx.random.normal((1, 32, 1, HEAD_DIM)).astype(mx.bfloat16),
     )
     runs = [
         step_run(step, caches, compiled, kind, context, layers, inputs)
