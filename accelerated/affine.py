@@ -258,22 +258,21 @@ def stored_layout(group_size: int, bits: int, head_dim: int, dtype: mx.Dtype) ->
 
 
 def record_encoder_takes(k: mx.array, v: mx.array) -> bool:
-    """Whether `quantize_record_deferred` takes keys and values: the CUDA encoder, keys and
+    """Whether `record_encoder` takes keys and values: the CUDA encoder, keys and
     values of one shape and dtype, not empty."""
     same = k.shape == v.shape and k.dtype == v.dtype
     return same and k.size > 0 and _default_encoder() == "cuda"
 
 
-def quantize_record_deferred(
-    k: mx.array, v: mx.array, group_size: int, bits: int, prior: mx.array | None = None
-) -> tuple[mx.array, mx.array]:
-    """`quantize_deferred_pair` where `record_encoder_takes` the input: the six fields as one
-    record uint8 [B, H, L, row_bytes] of `stored_layout`, and the failure, one launch. Its
-    caller has checked the input as `validate_layout` does and asked `record_encoder_takes`:
-    the cache (its layout checks, CACHE-2, and head dims, QKV-1), which checks once per
-    append what a second check here would cost every layer again."""
+def record_encoder(k: mx.array, group_size: int, bits: int) -> affine_kernels.EncodeLaunch:
+    """`quantize_deferred_pair` of keys and values shaped as `k` where `record_encoder_takes`
+    them, as one launch made once per shape: called with (k, v, prior=), it gives the six
+    fields as one record uint8 [B, H, L, row_bytes] of `stored_layout`, and the failure.
+    It checks nothing: its caller has checked the input as `validate_layout` does and asked
+    `record_encoder_takes` (the cache: its layout checks, CACHE-2, and head dims, QKV-1),
+    once per shape of append, not at every layer and step."""
     layout = stored_layout(group_size, bits, k.shape[-1], k.dtype)
-    return affine_kernels.quantize_pair_record(k, v, group_size, bits, prior, layout)
+    return affine_kernels.record_launch(tuple(k.shape), k.dtype, group_size, bits, layout)
 
 
 def dequantize(

@@ -18,7 +18,9 @@ include it and call into it (cuda_source.included).
 
 from __future__ import annotations
 
-from functools import cache
+import math
+from functools import cache, lru_cache
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -111,8 +113,8 @@ def quantize_groups(
     """(wq, scales, biases, failure) of `w` [..., D]: failure (uint32 [1]) is the largest
     DEFER-2 rank of any group and of `prior` (uint32 [1]). One launch when the groups fit one
     block (a decode step's do); else the blocks' ranks are folded by one more op."""
-    kernel = _kernel(w.dtype, group_size, bits)
-    wq, scales, biases, failure = _launch(kernel, (w,), group_size, bits, prior)
+    launch = _encode_launch(_ONE, tuple(w.shape), w.dtype, group_size, bits, None)
+    wq, scales, biases, failure = launch(w, prior=prior)
     return wq, scales, biases, failure
 
 
@@ -127,66 +129,75 @@ def quantize_pair_groups(
             f"keys and values of one launch share shape and dtype, got {tuple(k.shape)} "
             f"{k.dtype} and {tuple(v.shape)} {v.dtype}"
         )
-    return _launch(_pair_kernel(k.dtype, group_size, bits), (k, v), group_size, bits, prior)
+    launch = _encode_launch(_PAIR, tuple(k.shape), k.dtype, group_size, bits, None)
+    return launch(k, v, prior=prior)
 
 
-def quantize_pair_record(
-    k: mx.array,
-    v: mx.array,
+def record_launch(
+    shape: tuple[int, ...], dtype: mx.Dtype, group_size: int, bits: int, layout: RecordLayout
+) -> EncodeLaunch:
+    """`quantize_pair_groups`' six fields of keys and values of `shape` and `dtype` as one
+    record uint8 [B, H, L, row_bytes] of `layout` (accelerated/records.py), and the
+    failure, in one launch: called with (k, v, prior=), unchecked (the caller checks)."""
+    return _encode_launch(_RECORD, shape, dtype, group_size, bits, layout)
+
+
+class EncodeLaunch(NamedTuple):
+    """An encode kernel with its launch options for one shape of input, made once per
+    shape (a decode step encodes the same shape at every layer and step). Called with the
+    tensors and the prior rank: the kernel's outputs, the last of them the failure of the
+    tensors and the prior (DEFER-3), the blocks' ranks folded by one more op where the
+    groups take more than one block."""
+
+    kernel: Any
+    options: dict[str, Any]
+    folded: bool
+
+    def __call__(self, *tensors: mx.array, prior: mx.array | None = None) -> tuple[mx.array, ...]:
+        inputs = [*tensors, no_failure() if prior is None else prior]
+        *outputs, totals = self.kernel(inputs=inputs, **self.options)
+        return (*outputs, mx.max(totals, keepdims=True) if self.folded else totals)
+
+
+#: What `_encode_launch` launches: one tensor's fields, a pair's, or a pair's record.
+_ONE, _PAIR, _RECORD = "one", "pair", "record"
+
+
+@lru_cache(maxsize=64)
+def _encode_launch(
+    kind: str,
+    shape: tuple[int, ...],
+    dtype: mx.Dtype,
     group_size: int,
     bits: int,
-    prior: mx.array | None,
-    layout: RecordLayout,
-) -> tuple[mx.array, mx.array]:
-    """`quantize_pair_groups`' six fields as one record uint8 [B, H, L, row_bytes] of
-    `layout` (accelerated/records.py), and the failure, in one launch. Keys and values
-    share one [B, H, L, D] shape and dtype (the caller checks)."""
-    record, failure = _launch(
-        _record_kernel(k.dtype, group_size, bits, layout),
-        (k, v),
-        group_size,
-        bits,
-        prior,
-        (*k.shape[:3], layout.row_bytes),
-    )
-    return record, failure
-
-
-def _launch(
-    kernel: object,
-    tensors: tuple[mx.array, ...],
-    group_size: int,
-    bits: int,
-    prior: mx.array | None,
-    record: tuple[int, ...] | None = None,
-) -> tuple[mx.array, ...]:
-    """Every group of `tensors` (one shape and dtype) through `kernel` (built for their
-    dtype, group size and bits): each tensor's (wq, scales, biases), then the failure; with
-    `record` (its shape), the record, then the failure."""
-    w = tensors[0]
-    *lead, D = w.shape
-    n_groups = len(tensors) * (w.size // group_size)
+    layout: RecordLayout | None,
+) -> EncodeLaunch:
+    """The kernel of `kind` and its grid, block and outputs for tensors of `shape` and
+    `dtype` (a record's with `layout`)."""
+    *lead, D = shape
+    count = 1 if kind == _ONE else 2
+    n_groups = count * (math.prod(shape) // group_size)
     # Whole warps (the shuffles take every lane; threads past the last group write nothing).
     threads = -(-n_groups * (group_size // _PER_THREAD) // 32) * 32
     block_threads = threads if threads <= _ONE_BLOCK_THREADS else _BLOCK_THREADS
     blocks = -(-threads // block_threads)
-    if record is None:
+    if layout is None:
+        kernel = (_kernel if kind == _ONE else _pair_kernel)(dtype, group_size, bits)
         shapes = [(*lead, D * bits // 32), (*lead, D // group_size), (*lead, D // group_size)]
-        shapes *= len(tensors)
-        dtypes = [mx.uint32, w.dtype, w.dtype] * len(tensors)
+        shapes *= count
+        dtypes = [mx.uint32, dtype, dtype] * count
     else:
-        shapes = [record]
+        kernel = _record_kernel(dtype, group_size, bits, layout)
+        shapes = [(*lead[:3], layout.row_bytes)]
         dtypes = [mx.uint8]
-    *fields, totals = kernel(
-        inputs=[*tensors, no_failure() if prior is None else prior],
-        grid=(threads, 1, 1),
-        threadgroup=(block_threads, 1, 1),
-        output_shapes=[*shapes, (blocks,)],
-        output_dtypes=[*dtypes, mx.uint32],
-    )
-    failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
-    return (*fields, failure)
+    options = {
+        "grid": (threads, 1, 1),
+        "threadgroup": (block_threads, 1, 1),
+        "output_shapes": [*shapes, (blocks,)],
+        "output_dtypes": [*dtypes, mx.uint32],
+    }
+    return EncodeLaunch(kernel, options, blocks > 1)
 
 
 #: The kernel objects this module keeps made (as attention_kernels.KERNEL_CACHES).
-KERNEL_CACHES = (_kernel, _pair_kernel, _record_kernel)
+KERNEL_CACHES = (_kernel, _pair_kernel, _record_kernel, _encode_launch)

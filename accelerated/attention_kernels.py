@@ -346,11 +346,16 @@ def supported(
     (`cuda_core_fit`; the tensor-core body takes fewer), at most MAX_GROUP query heads per
     KV head. (Stored fields are contiguous in their last axis: caches slice them along
     positions only.)"""
-    if not (mx.default_device() == mx.gpu and cuda_available()):
+    if not on_cuda():
         return False
     if query_heads % kv_heads != 0 or query_heads // kv_heads > MAX_GROUP:
         return False
     return cuda_core_fit(keys, values)
+
+
+def on_cuda() -> bool:
+    """Whether MLX's default device, where a read's kernels would run, is a CUDA GPU."""
+    return mx.default_device() == mx.gpu and cuda_available()
 
 
 def cuda_core_fit(keys: SideFormat | StoredSide, values: SideFormat | StoredSide) -> bool:
@@ -512,73 +517,131 @@ def decode_attention(
     `tensor_core_fit`). `slot` = (row, new), the compiled step's write slot (COMPILE-4):
     buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
     record row) instead of the buffers. Call only when `supported`."""
-    keys, values, Hk, T = stored_formats(stored)
+    formats = _read_formats(stored)
+    launch = _planned(queries, formats, scale, out_dtype, rows is not None, tensor_cores, slot)
+    return launch(queries, stored, rows, slot)
+
+
+def read_launch(
+    queries: mx.array,
+    stored: Stored,
+    scale: float,
+    out_dtype: mx.Dtype,
+    counted: bool,
+    tensor_cores: bool | None,
+    slot: object | None,
+) -> ReadLaunch | None:
+    """The launches of `decode_attention(queries, stored, scale, out_dtype, rows,
+    tensor_cores, slot)`, `counted` whether it has rows, planned once per configuration;
+    None where the kernels do not take the read (`supported`, one query position). It does
+    not check the queries against the stored keys (`ReadLaunch.keys_shape`)."""
+    _, Hq, N, _ = queries.shape
+    if N != 1 or not on_cuda():
+        return None
+    formats = _read_formats(stored)
+    _, Hk, _, keys, values, _ = formats
+    if Hq % Hk != 0 or Hq // Hk > MAX_GROUP or not cuda_core_fit(keys, values):
+        return None
+    return _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slot)
+
+
+#: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
+_Formats = tuple[int, int, int, SideFormat, SideFormat, tuple[int, ...] | None]
+
+
+def _read_formats(stored: Stored) -> _Formats:
     if isinstance(stored, StoredRecord):
-        inputs = [stored.record]
-        offsets: tuple[int, ...] | None = stored.record_format.offsets
-        slot_inputs = [] if slot is None else [slot[0], slot[1]]
-    else:
-        inputs = [*_fields(stored[0]), *_fields(stored[1])]
-        keys, values, offsets = side_format(stored[0]), side_format(stored[1]), None
-        slot_inputs = [] if slot is None else [slot[0], *_fields(slot[1][0]), *_fields(slot[1][1])]
-    rotated = values.fmt == TURBO_VALUE
-    launch = _launch(
+        B, Hk, T, _ = stored.record.shape
+        record_format = stored.record_format
+        return B, Hk, T, record_format.keys, record_format.values, record_format.offsets
+    B, Hk, T, _ = stored[0].codes.shape
+    return B, Hk, T, side_format(stored[0]), side_format(stored[1]), None
+
+
+def _planned(
+    queries: mx.array,
+    formats: _Formats,
+    scale: float,
+    out_dtype: mx.Dtype,
+    counted: bool,
+    tensor_cores: bool | None,
+    slot: object | None,
+) -> ReadLaunch:
+    B, Hk, T, keys, values, offsets = formats
+    return _read_launch(
         tuple(queries.shape),
         queries.dtype,
         keys,
         values,
+        B,
         Hk,
         T,
         scale,
-        1 << values.bits if rotated else 0,
         out_dtype,
-        rows is not None,
+        counted,
         tensor_cores,
         slot is not None,
         offsets,
     )
-    partial, stats = launch.partial(
-        inputs=[
-            queries,
-            *inputs,
-            *([] if rows is None else [rows]),
-            *slot_inputs,
-        ],
-        **launch.partial_options,
-    )
-    (out,) = launch.merge(inputs=[partial, stats], **launch.merge_options)
-    return out
 
 
-class _Launch(NamedTuple):
-    """Both passes of one read configuration, with what they launch with (`_launch`)."""
+class ReadLaunch(NamedTuple):
+    """Both passes of one read configuration, with what they launch with (`read_launch`),
+    and the shape of the keys [B, Hk, T, Dk] its queries must fit (READ-1)."""
 
     partial: Any
     partial_options: dict[str, Any]
     merge: Any
     merge_options: dict[str, Any]
+    keys_shape: tuple[int, int, int, int]
+
+    def __call__(
+        self,
+        queries: mx.array,
+        stored: Stored,
+        rows: mx.array | None,
+        slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None,
+    ) -> mx.array:
+        """The read's output [B, Hq, 1, Dv] (`decode_attention`'s arguments)."""
+        if isinstance(stored, StoredRecord):
+            inputs = [queries, stored.record]
+            if slot is not None:
+                slot_inputs = [slot[0], slot[1]]
+        else:
+            inputs = [queries, *_fields(stored[0]), *_fields(stored[1])]
+            if slot is not None:
+                slot_inputs = [slot[0], *_fields(slot[1][0]), *_fields(slot[1][1])]
+        if rows is not None:
+            inputs.append(rows)
+        if slot is not None:
+            inputs += slot_inputs
+        partial, stats = self.partial(inputs=inputs, **self.partial_options)
+        (out,) = self.merge(inputs=[partial, stats], **self.merge_options)
+        return out
 
 
 @lru_cache(maxsize=256)
-def _launch(
+def _read_launch(
     query_shape: tuple[int, ...],
     query_dtype: mx.Dtype,
     keys: SideFormat,
     values: SideFormat,
+    B: int,
     Hk: int,
     T: int,
     scale: float,
-    table_size: int,
     out_dtype: mx.Dtype,
     counted: bool,
     tensor_cores: bool | None,
     slotted: bool,
     offsets: tuple[int, ...] | None,
-) -> _Launch:
+) -> ReadLaunch:
     """The kernels and launch options of a read configuration, made once: a decode step
     reads with the same configuration at every layer, and (whole buffers with a live count)
-    at every step until its buffers grow, so it spends no host time on planning."""
-    B, Hq, N, _ = query_shape
+    at every step until its buffers grow, so it spends no host time on planning.
+    ValueError where the body asked for does not take the read."""
+    _, Hq, N, _ = query_shape
+    table_size = 1 << values.bits if values.fmt == TURBO_VALUE else 0
     plan = _plan(query_dtype, keys, values, Hq // Hk, _float_bits(scale), table_size, out_dtype)
     if tensor_cores is None:
         tensor_cores = tensor_core_fit(keys, values)
@@ -594,7 +657,7 @@ def _launch(
     splits = _splits(T, B * Hk)
     threads = WARPS * 32
     DV = values.dim
-    return _Launch(
+    return ReadLaunch(
         _partial_kernel(plan, counted, tensor_cores, slotted, keys.fmt, values.fmt, offsets),
         {
             "grid": (splits * threads, B * Hk, 1),
@@ -609,10 +672,11 @@ def _launch(
             "output_shapes": [(B, Hq, N, DV)],
             "output_dtypes": [out_dtype],
         },
+        (B, Hk, T, keys.dim),
     )
 
 
 #: What this module keeps made (kernel objects, the plans they are made from, the reads'
 #: launches): a tool that builds the kernels from other sources or shapes, or a test that
 #: stands in for them, clears these.
-KERNEL_CACHES = (_partial_kernel, _merge_kernel, _plan, _launch)
+KERNEL_CACHES = (_partial_kernel, _merge_kernel, _plan, _read_launch)

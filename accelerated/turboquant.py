@@ -21,11 +21,11 @@ from functools import cache
 import mlx.core as mx
 
 from kvspec.accelerated import bits as bitstream
-from kvspec.accelerated.affine_kernels import no_failure
+from kvspec.accelerated.affine_kernels import EncodeLaunch, no_failure
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.accelerated.dtypes import FLOAT16, FLOAT32, dtype_name, narrow, quiet_nan, widen
 from kvspec.accelerated.records import RecordLayout, record_layout, unpacked
-from kvspec.accelerated.turboquant_kernels import fused_decode, fused_encode
+from kvspec.accelerated.turboquant_kernels import encode_launch, fused_decode
 from kvspec.reference import turboquant as reference
 from kvspec.reference.turboquant import (
     BLOCK_SIZE,
@@ -381,21 +381,22 @@ def encode_record_deferred(
     """`encode_deferred` on CUDA (fused_kernels_enabled, keys and values not empty): the
     five fields as one record uint8 [B, H, L, row_bytes] of `stored_layout`, and the
     failure rank, from one launch."""
+    record, failure = record_encoder(k, v, k_bits, v_bits)(k, v, prior=prior)
+    return record, failure
+
+
+def record_encoder(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> EncodeLaunch:
+    """`encode_record_deferred` of keys and values shaped as `k`, `v`, checked once: one
+    launch made once per shape, which takes (k, v, prior=) of those shapes and dtype
+    unchecked, so that a decode step's appends check their layout once, not at every layer
+    and step."""
     _check_encode_layout(k, v, k_bits, v_bits)
-    return _record_encode(k, v, k_bits, v_bits, prior)
+    return _record_launch(k, k_bits, v_bits)
 
 
-def _record_encode(
-    k: mx.array, v: mx.array, k_bits: int, v_bits: int, prior: mx.array | None
-) -> tuple[mx.array, mx.array]:
-    return fused_encode(
-        k,
-        v,
-        no_failure() if prior is None else prior,
-        k_bits,
-        v_bits,
-        stored_layout(k_bits, v_bits, k.shape[-1]),
-    )
+def _record_launch(k: mx.array, k_bits: int, v_bits: int) -> EncodeLaunch:
+    layout = stored_layout(k_bits, v_bits, k.shape[-1])
+    return encode_launch(tuple(k.shape), k.dtype, k_bits, v_bits, layout)
 
 
 def _fused_encode(
@@ -403,7 +404,7 @@ def _fused_encode(
 ) -> tuple[TurboQuantTensor, mx.array]:
     """The tensor and lazy uint32 [1] failure rank from the fused CUDA kernel (DEFER-1,
     DEFER-2), folded with `prior`: the fields are views of the record it writes."""
-    record, failure = _record_encode(k, v, k_bits, v_bits, prior)
+    record, failure = _record_launch(k, k_bits, v_bits)(k, v, prior=prior)
     fields = unpacked(record, stored_layout(k_bits, v_bits, k.shape[-1]))
     return TurboQuantTensor(*fields), failure
 

@@ -20,10 +20,11 @@ bit: the result equals the plain MLX path (and the reference) bit for bit.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 
 import mlx.core as mx
 
+from kvspec.accelerated.affine_kernels import EncodeLaunch
 from kvspec.accelerated.cuda_source import cuda_kernel, device_array, included
 from kvspec.accelerated.records import RecordLayout
 from kvspec.reference import turboquant as reference
@@ -31,7 +32,7 @@ from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
 #: Elements of a row each encode thread takes (encode_rows' P: 1, 2, 4 or 8). Elements of
-#: one encode block (below, fused_encode: its shared buffers hold 1024), and threads of an
+#: one encode block (below, encode_launch: its shared buffers hold 1024), and threads of an
 #: encode's blocks when one block would need more elements.
 ELEMENTS_PER_THREAD = 8
 _ONE_BLOCK_ELEMENTS = 1024
@@ -153,41 +154,37 @@ def _encode_kernel(
     )
 
 
-def fused_encode(
-    k: mx.array,
-    v: mx.array,
-    prior: mx.array,
-    k_bits: int,
-    v_bits: int,
-    layout: RecordLayout,
-) -> tuple[mx.array, mx.array]:
-    """The five stored fields of k, v [B, H, L, D] (TQ-10) as one record uint8 [B, H, L,
-    row_bytes] of `layout` (accelerated/records.py), in one launch, and the failure (uint32
-    [1]): the largest DEFER-2 rank of any row and of `prior` (uint32 [1]). Groups that fail
-    are stored as DEFER-1 says. Rows of 1024 coordinates or fewer (a decode step's) take
-    one block; more take blocks of at most 1024 coordinates (the kernel's shared buffers)
-    and 256 threads, at least one row, whose ranks are folded by one more op. Shapes, dtypes
-    and widths are validated by the caller (turboquant.encode)."""
-    B, H, L, D = k.shape
+@lru_cache(maxsize=64)
+def encode_launch(
+    shape: tuple[int, ...], dtype: mx.Dtype, k_bits: int, v_bits: int, layout: RecordLayout
+) -> EncodeLaunch:
+    """The five stored fields of k, v of `shape` and `dtype` [B, H, L, D] (TQ-10) as one
+    record uint8 [B, H, L, row_bytes] of `layout` (accelerated/records.py), and the failure
+    (uint32 [1]): the largest DEFER-2 rank of any row and of the prior (uint32 [1]), in one
+    launch, made once per shape (a decode step encodes the same shape at every layer and
+    step). Called with (k, v, prior=), unchecked: shapes, dtypes and widths are validated by
+    the caller (turboquant.record_encoder). Groups that fail are stored as DEFER-1 says.
+    Rows of 1024 coordinates or fewer (a decode step's) take one block; more take blocks of
+    at most 1024 coordinates (the kernel's shared buffers) and 256 threads, at least one
+    row, whose ranks are folded by one more op."""
+    B, H, L, D = shape
     rows = B * H * L
-    elements = ELEMENTS_PER_THREAD
-    threads = D // elements
+    threads = D // ELEMENTS_PER_THREAD
     one_block = rows * D <= _ONE_BLOCK_ELEMENTS
     # The block's rows fill its shared buffers at most.
     per_block = (
         rows if one_block else max(1, min(_BLOCK_THREADS // threads, _ONE_BLOCK_ELEMENTS // D))
     )
     blocks = -(-rows // per_block)
-    record, totals = _encode_kernel(k.dtype, D, elements, k_bits, v_bits, layout)(
-        inputs=[k, v, prior],
-        grid=(blocks * threads, per_block, 1),
-        threadgroup=(threads, per_block, 1),
-        output_shapes=[(B, H, L, layout.row_bytes), (blocks,)],
-        output_dtypes=[mx.uint8, mx.uint32],
-    )
-    failure = totals if blocks == 1 else mx.max(totals, keepdims=True)
-    return record, failure
+    options = {
+        "grid": (blocks * threads, per_block, 1),
+        "threadgroup": (threads, per_block, 1),
+        "output_shapes": [(B, H, L, layout.row_bytes), (blocks,)],
+        "output_dtypes": [mx.uint8, mx.uint32],
+    }
+    kernel = _encode_kernel(dtype, D, ELEMENTS_PER_THREAD, k_bits, v_bits, layout)
+    return EncodeLaunch(kernel, options, blocks > 1)
 
 
 #: The kernel objects this module keeps made (as attention_kernels.KERNEL_CACHES).
-KERNEL_CACHES = (_kernel, _encode_kernel)
+KERNEL_CACHES = (_kernel, _encode_kernel, encode_launch)

@@ -33,13 +33,17 @@ class KernelCall:
 
 
 class Launches(Counter):
-    """Stand-in launches by kernel name; every array they were given (`inputs`); each
-    kernel's first launch (`kernels`, by name)."""
+    """Stand-in launches by kernel name; every array they were given (`inputs`) and made
+    (`outputs`); each kernel's first launch (`kernels`, by name); every launch in order, as
+    its kernel's name and the call's options (`calls`: grid, block, output shapes and
+    dtypes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inputs: list[mx.array] = []
+        self.outputs: list[mx.array] = []
         self.kernels: dict[str, KernelCall] = {}
+        self.calls: list[tuple[str, str]] = []
 
 
 @contextmanager
@@ -75,6 +79,8 @@ def cuda_path() -> Iterator[Launches]:
             assert "template" not in options, name
             launches[name] += 1
             launches.inputs.extend(inputs)
+            options.update(output_shapes=output_shapes, output_dtypes=output_dtypes)
+            launches.calls.append((name, repr(sorted(options.items()))))
             launches.kernels.setdefault(
                 name,
                 KernelCall(
@@ -87,10 +93,12 @@ def cuda_path() -> Iterator[Launches]:
                     tuple(output_dtypes),
                 ),
             )
-            return [
+            outputs = [
                 mx.zeros(shape, dtype)
                 for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
             ]
+            launches.outputs.extend(outputs)
+            return outputs
 
         return launch
 
@@ -107,5 +115,5 @@ def cuda_path() -> Iterator[Launches]:
         for module in (reads, turboquant, turboquant_caches):
             patches.enter_context(mock.patch.object(module, "fused_kernels_enabled", lambda: True))
         patches.enter_context(mock.patch.object(affine, "_default_encoder", lambda: "cuda"))
-        patches.enter_context(mock.patch.object(attention_kernels, "supported", lambda *_: True))
+        patches.enter_context(mock.patch.object(attention_kernels, "on_cuda", lambda: True))
         yield launches

@@ -58,6 +58,10 @@ GPU_TESTS = (
     ("conformance/test_affine.py", "the CUDA affine encoder (AFF-9)"),
     ("conformance/test_edges.py", "ties, constant groups and float16 limits on the encoders"),
     ("conformance/test_compiled_step.py", "the compiled decode step (COMPILE-1 .. COMPILE-6)"),
+    (
+        "conformance/test_planned_append.py",
+        "planned appends: the bits and launches of checked ones, with the CUDA encoders",
+    ),
     ("conformance/test_caches_turboquant.py", "TurboQuant caches' state machine on the device"),
     ("conformance/test_caches_kv.py", "growable and affine caches' state machines"),
     ("conformance/test_caches_bf16_first.py", "bf16-first caches' state machines: the switch"),

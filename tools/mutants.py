@@ -66,6 +66,7 @@ RECORDS = "conformance/test_records.py"
 RING_MASKS = "test_ring_masks_against_positions_written"
 ROWS = "conformance/test_rows.py"
 MLX_LM_BATCH = "conformance/test_mlx_lm_batch.py"
+PLANNED = "conformance/test_planned_append.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -321,6 +322,31 @@ CATALOGUE = (
         (f"{STEP_OPS}::test_a_compiled_step_hands_mlx_one_position_and_length_for_all_layers",),
     ),
     Mutant(
+        "mlx-planned-append-without-room",
+        "accelerated/caches/kv.py",
+        "            and storage.offset + self.k_shape[2] <= storage.capacity\n",
+        "",
+        "a planned append writes past the buffers' last row instead of growing them "
+        "(CACHE-3 step 1)",
+        (f"{PLANNED}::test_planned_appends_store_what_checked_appends_store",),
+    ),
+    Mutant(
+        "mlx-planned-append-any-layout",
+        "accelerated/caches/kv.py",
+        "            storage._layout is self.layout\n            and ",
+        "            ",
+        "a planned append takes its shapes into a storage restored with another layout (CACHE-2)",
+        (f"{PLANNED}::test_an_append_the_plan_does_not_take_is_checked",),
+    ),
+    Mutant(
+        "mlx-planned-append-keeps-old-rank",
+        "accelerated/caches/kv.py",
+        "            storage._failure = failure\n",
+        "            pass\n",
+        "a planned append drops the running rank its encode returns (DEFER-3)",
+        (f"{PLANNED}::test_a_planned_append_launches_what_a_checked_append_launches",),
+    ),
+    Mutant(
         "mlx-step-scalars-reshaped-per-layer",
         "accelerated/caches/reads.py",
         "    return mx.array([value], dtype=mx.int32)\n",
@@ -360,8 +386,8 @@ CATALOGUE = (
     Mutant(
         "mlx-affine-record-head-dim-unchecked",
         "accelerated/caches/quantized.py",
-        "        self._check_head_dims(k, v)\n        prior = running(self)\n",
-        "        prior = running(self)\n",
+        "            return None\n        self._check_head_dims(k, v)\n",
+        "            return None\n",
         "the MLX affine cache's record encode launches on keys whose head_dim its group does "
         "not divide: its encoder trusts the cache's checks (QKV-1)",
         (f"{STEP_OPS}::test_the_cuda_path_rejects_what_its_encoders_cannot_take_before_a_launch",),

@@ -6,6 +6,8 @@ conformance suite holds it to.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 from kvspec.accelerated.caches.protocol import Mask
@@ -29,14 +31,26 @@ def check_queries(
 ) -> None:
     """READ-1: ValueError unless queries [B, Hq, N, D] fit keys [B, Hk, T, D] of
     `keys_dtype`: the same dtype, or any float format for float32 keys (widened exactly)."""
-    B, Hq, _, D = queries.shape
+    _check_query_fit(tuple(queries.shape), queries.dtype, tuple(keys_shape), keys_dtype)
+
+
+@lru_cache(maxsize=256)
+def _check_query_fit(
+    query_shape: tuple[int, ...],
+    query_dtype: mx.Dtype,
+    keys_shape: tuple[int, ...],
+    keys_dtype: mx.Dtype,
+) -> None:
+    # Kept for the shapes that fit (a decode step checks the same ones at every layer);
+    # a misfit raises at every call.
+    B, Hq, _, D = query_shape
     _, Hk, _, _ = keys_shape
     if tuple(keys_shape[:2]) != (B, Hk) or keys_shape[3] != D:
-        raise ValueError(f"queries {tuple(queries.shape)} do not fit keys {keys_shape}")
+        raise ValueError(f"queries {query_shape} do not fit keys {keys_shape}")
     if Hq % Hk != 0:
         raise ValueError(f"query heads {Hq} are not a multiple of key heads {Hk}")
-    if keys_dtype != mx.float32 and queries.dtype != keys_dtype:
-        raise ValueError(f"queries are {queries.dtype}, keys {keys_dtype}: use one dtype")
+    if keys_dtype != mx.float32 and query_dtype != keys_dtype:
+        raise ValueError(f"queries are {query_dtype}, keys {keys_dtype}: use one dtype")
 
 
 def attention_roundoff() -> float:

@@ -3,6 +3,7 @@ codec, which stores the same bits (AFF-9)."""
 
 from __future__ import annotations
 
+from functools import partial
 from types import ModuleType
 
 import mlx.core as mx
@@ -10,8 +11,8 @@ import mlx.core as mx
 from kvspec.accelerated import affine
 from kvspec.accelerated.attention_kernels import AFFINE, StoredSide
 from kvspec.accelerated.caches.kv import GrowingStorage
-from kvspec.accelerated.caches.reads import running
-from kvspec.accelerated.caches.records import GrowingRecordStorage, RecordFields
+from kvspec.accelerated.caches.reads import Encoder, running
+from kvspec.accelerated.caches.records import GrowingRecordStorage, record_encode
 from kvspec.reference.caches import quantized
 from kvspec.reference.caches.quantized import check_affine_parameters
 from kvspec.reference.caches.storage import Fields
@@ -55,13 +56,27 @@ class AffineRecordFields(AffineFields):
     def _encode_deferred(self, k: mx.array, v: mx.array) -> tuple[Fields, mx.array]:
         """AffineFields' encode; on CUDA the fields come as the one record the kernel
         writes."""
-        if not affine.record_encoder_takes(k, v):
+        encode = self._record_encoder(k, v)
+        if encode is None:
             return super()._encode_deferred(k, v)
+        fields, failure = encode(k, v, running(self))
+        return fields, failure
+
+    def _record_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
+        """The one-launch record encode of keys and values shaped as `k`, `v`, their head
+        dims checked (QKV-1); None where `affine.record_encoder_takes` them not."""
+        if not affine.record_encoder_takes(k, v):
+            return None
         self._check_head_dims(k, v)
-        prior = running(self)
-        record, failure = affine.quantize_record_deferred(k, v, self.group_size, self.bits, prior)
-        layout = affine.stored_layout(self.group_size, self.bits, k.shape[-1], k.dtype)
-        return RecordFields(record, layout), failure
+        return partial(
+            record_encode,
+            encode=affine.record_encoder(k, self.group_size, self.bits),
+            layout=affine.stored_layout(self.group_size, self.bits, k.shape[-1], k.dtype),
+        )
+
+    def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
+        """The record encode where deferred checks take it (eager ones read the input)."""
+        return self._record_encoder(k, v) if self.checks == "deferred" else None
 
 
 class QuantizedKVCache(

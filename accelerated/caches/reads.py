@@ -25,6 +25,11 @@ from kvspec.reference.caches import reads
 from kvspec.reference.caches.compiled import DecodePlan
 from kvspec.reference.caches.storage import Fields
 
+#: An encode planned for one shape of appends (`ReadMethods._append_encoder`): keys, values
+#: and the running rank (DEFER-3; None before the first) to the fields to store and the new
+#: running rank (None: the storage keeps its own).
+Encoder = Callable[[mx.array, mx.array, mx.array | None], tuple[Fields, mx.array | None]]
+
 
 class DenseRead(reads.DenseRead):
     """READ-1 with MLX's attention."""
@@ -89,12 +94,13 @@ class WriteSlot:
     new: tuple[StoredSide, StoredSide] | mx.array
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StoredRead:
     """READ-7: a decode read (READ-2) of the stored rows themselves. `attend` with one query
     position runs the decode-attention kernels over the fields where they lie; anywhere
     else (no CUDA, a shape the kernels do not take, several query positions) it attends
-    through `decoded()`, READ-2's read of the same rows."""
+    through `decoded()`, READ-2's read of the same rows. (Not frozen: a decode step makes
+    one a layer, and a frozen dataclass takes a microsecond more to make.)"""
 
     #: The stored sides, or the record that holds both: whole buffers.
     stored: Stored
@@ -111,24 +117,23 @@ class StoredRead:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows. On the kernels'
         path, `tensor_cores` picks their pass-1 body (READ-7; None: tensor cores where they
         fit); elsewhere it is not used."""
-        B, Hq, N, _ = queries.shape
-        keys, values, Hk, T = attention_kernels.stored_formats(self.stored)
-        if not (
-            N == 1 and fused_kernels_enabled() and attention_kernels.supported(keys, values, Hk, Hq)
-        ):
+        launch = None
+        if fused_kernels_enabled():
+            launch = attention_kernels.read_launch(
+                queries,
+                self.stored,
+                scale,
+                self.read_dtype,
+                self.rows is not None,
+                tensor_cores,
+                self.slot,
+            )
+        if launch is None:
             return self.decoded().attend(queries, scale)
-        check_queries(queries, (B, Hk, T, keys.dim), self.read_dtype)
-        slot = self.slot
+        check_queries(queries, launch.keys_shape, self.read_dtype)
+        slot = None if self.slot is None else (self.slot.position, self.slot.new)
         # The kernels widen the queries themselves; the output is in the read's format.
-        return attention_kernels.decode_attention(
-            queries,
-            self.stored,
-            scale,
-            self.read_dtype,
-            self.rows,
-            tensor_cores=tensor_cores,
-            slot=None if slot is None else (slot.position, slot.new),
-        )
+        return launch(queries, self.stored, self.rows, slot)
 
 
 class ReadMethods(reads.ReadMethods):
@@ -158,14 +163,14 @@ class ReadMethods(reads.ReadMethods):
         if mask is not None or self._left_padding:
             return super().append_and_read(k, v, mask)
         self._append(k, v)
-        assert self._fields is not None and self.layout is not None
         # The buffers as they are now (a later write rebinds the fields, never changes
         # these), whole, and the live row count as data: no op at all. (A slice of the
         # buffers would be one more op per layer; the count is one array for every layer
         # at this offset.)
         fields = self._fields
+        assert fields is not None and self._layout is not None
         rows = self._live_rows()
-        read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
+        read_dtype = dtypes.FLOAT_DTYPES[self._layout.dtype]
 
         def decoded() -> Read:
             return self._read_of(tuple(field[:, :, :rows] for field in fields))
@@ -246,6 +251,13 @@ class ReadMethods(reads.ReadMethods):
         active length once, not once per layer; int32 [1], as the kernels take them, so
         that the graph holds no reshape of them per layer."""
         return int32_single(value)
+
+    def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
+        """What `_encode_recorded` does with an append shaped as `k`, `v`, its checks made
+        here (raising as they would): an encode that later appends of the same shapes and
+        dtype run unchecked (kv.PlannedAppend). None where none is planned: eager checks,
+        which read the input on the host, and encoders that check at every call."""
+        return None
 
     def _rank_input(self) -> mx.array:
         """The running rank as the compiled step reads it (COMPILE-3): uint32 [1], zero

@@ -5,7 +5,7 @@ back as views of the record."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -61,6 +61,8 @@ class RecordStorage:
     _record_layout: RecordLayout | None = None
     #: The RecordFields of the record they were made for.
     _record_fields: RecordFields | None = None
+    #: The last record layout read and its RecordFormat (`_stored_rows`, at every step).
+    _read_format: tuple[RecordLayout, RecordFormat] | None = None
 
     @property  # type: ignore[override]
     def _fields(self) -> RecordFields | None:
@@ -93,8 +95,9 @@ class RecordStorage:
     def _write_rows(self, start: int, parts: Fields) -> None:
         assert self._record is not None and self._record_layout is not None
         rows = parts.record if isinstance(parts, RecordFields) else None
-        if rows is None or parts.layout != self._record_layout:
-            rows = packed(parts, self._record_layout)
+        layout = self._record_layout
+        if rows is None or (parts.layout is not layout and parts.layout != layout):
+            rows = packed(parts, layout)
         (self._record,) = written_rows((self._record,), start, (rows,))
 
     def _step_arrays(self, fields: Fields) -> tuple[mx.array, ...]:
@@ -119,6 +122,9 @@ class RecordStorage:
         """READ-7: the record as the kernels read it (one input)."""
         if not isinstance(fields, RecordFields):
             return super()._stored_rows(fields)  # type: ignore[misc]
+        known = self._read_format
+        if known is not None and known[0] is fields.layout:
+            return StoredRecord(fields.record, known[1])
         signature = self.signature()  # type: ignore[attr-defined]
         key = (type(self), signature, fields.layout)
         record_format = _READ_FORMATS.get(key)
@@ -135,6 +141,7 @@ class RecordStorage:
             offsets = tuple(fields.layout.offsets[i] for i in stored)
             record_format = RecordFormat(side_format(keys), side_format(values), offsets)
             _READ_FORMATS[key] = record_format
+        self._read_format = (fields.layout, record_format)
         return StoredRecord(fields.record, record_format)
 
 
@@ -160,3 +167,16 @@ class RingRecordStorage(RecordStorage):
     def length(self) -> int:
         """T: positions the buffers hold (RING-1)."""
         return 0 if self._record is None else self._record.shape[2]
+
+
+def record_encode(
+    k: mx.array,
+    v: mx.array,
+    prior: mx.array | None,
+    encode: Callable[..., tuple[mx.array, mx.array]],
+    layout: RecordLayout,
+) -> tuple[RecordFields, mx.array]:
+    """A record storage's encode (reads.Encoder): `encode(k, v, prior=prior)`'s record of
+    `layout` as the storage's fields, and the running rank it returns."""
+    record, failure = encode(k, v, prior=prior)
+    return RecordFields(record, layout), failure

@@ -3,6 +3,7 @@ TurboQuant codec. Stores the reference's bits; its fetches are bit-exact too (TQ
 
 from __future__ import annotations
 
+from functools import partial
 from types import ModuleType
 
 import mlx.core as mx
@@ -11,8 +12,8 @@ from kvspec.accelerated import turboquant
 from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredSide
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
-from kvspec.accelerated.caches.reads import SlotRead, running
-from kvspec.accelerated.caches.records import GrowingRecordStorage, RecordFields
+from kvspec.accelerated.caches.reads import Encoder, SlotRead, running
+from kvspec.accelerated.caches.records import GrowingRecordStorage, record_encode
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import turboquant as reference
 from kvspec.reference.caches.protocol import Read
@@ -41,14 +42,27 @@ class TurboQuantKVCache(GrowingRecordStorage, GrowingStorage, reference.TurboQua
         """DEFER-1 .. DEFER-3 with the running rank folded inside the encode (TQ-10); on
         CUDA the fields come as the one record the kernel writes."""
         prior = running(self)
-        if fused_kernels_enabled() and k.size > 0:
-            record, failure = turboquant.encode_record_deferred(
-                k, v, self.k_bits, self.v_bits, prior
-            )
-            layout = turboquant.stored_layout(self.k_bits, self.v_bits, k.shape[-1])
-            return RecordFields(record, layout), failure
+        encode = self._record_encoder(k, v)
+        if encode is not None:
+            fields, failure = encode(k, v, prior)
+            return fields, failure
         t, failure = turboquant.encode_deferred(k, v, self.k_bits, self.v_bits, prior)
         return (t.k_idx, t.k_scales, t.k_zeros, t.v_packed, t.v_scales), failure
+
+    def _record_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
+        """The one-launch record encode of keys and values shaped as `k`, `v`, their layout
+        checked (TQ-10); None off CUDA and for empty appends."""
+        if not (fused_kernels_enabled() and k.size > 0):
+            return None
+        return partial(
+            record_encode,
+            encode=turboquant.record_encoder(k, v, self.k_bits, self.v_bits),
+            layout=turboquant.stored_layout(self.k_bits, self.v_bits, k.shape[-1]),
+        )
+
+    def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
+        """The record encode where deferred checks take it (eager ones read the input)."""
+        return self._record_encoder(k, v) if self.checks == "deferred" else None
 
     def _read_of(self, live: Fields) -> Read:
         """READ-2's read of live fields with this cache's kernels (TQC-4)."""
