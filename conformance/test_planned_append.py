@@ -1,9 +1,9 @@
-"""The MLX growable storages' planned appends (accelerated/caches/kv.py, PlannedAppend): an
-append of the shapes the last checked append had runs that append's encode and write
-without its checks. Held against twins that never plan, which check every append: the
-same stored bits on the CPU (plain storage, the one whose encoder plans there), the same
-launches on the CUDA path with its kernels stood in (the record storages), and every
-append the plan does not take checked as before."""
+"""The MLX storages' planned appends (accelerated/caches/planned.py): an append of the
+shapes and layout the last checked append had runs that append's encode without its
+checks. Held against twins that never plan, which check every append: the same stored
+bits (on the CPU plain storage, the one whose encoder plans there; on CUDA every kind), the
+same launches on the CUDA path with its kernels stood in, and every append the plan does
+not take checked as before."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from hypothesis import strategies as st
 
 from kvspec.conformance.backend import Backend
 
-#: Record storages on the CUDA path, by name: a factory over the caches module.
-RECORD_KINDS = {
+#: Storages, growable and rings, by name: a factory over the caches module.
+KINDS = {
     "KVCache": lambda c: c.KVCache(),
+    "RotatingKVCache": lambda c: c.RotatingKVCache(64, keep=4),
+    "RotatingQuantizedKVCache 4-bit g64": lambda c: c.RotatingQuantizedKVCache(
+        64, 64, 4, checks="deferred"
+    ),
     "QuantizedKVCache 4-bit g64": lambda c: c.QuantizedKVCache(64, 4, checks="deferred"),
     "QuantizedKVCache 8-bit g32": lambda c: c.QuantizedKVCache(32, 8, checks="deferred"),
     "TurboQuantKVCache k8v4": lambda c: c.TurboQuantKVCache(8, 4, "dense", checks="deferred"),
@@ -58,24 +62,25 @@ operations = st.lists(
 )
 
 
-@pytest.mark.parametrize("kind", sorted(RECORD_KINDS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @given(prefill=st.integers(1, 300), ops=operations, decodes=st.integers(0, 24))
 def test_planned_appends_store_what_checked_appends_store(
     backend: Backend, kind: str, prefill: int, ops: list, decodes: int
 ) -> None:
     """CACHE-3 on MLX: a cache that plans its appends and its twin that checks each one hold
     the same bits and offset after any sequence of appends, trims and restores, decode runs
-    crossing the buffers' 256-row steps among them. Record storages plan only where their
-    encoders run on CUDA (fused_kernels_enabled): elsewhere only KVCache is held."""
+    crossing the buffers' 256-row steps and the rings' wraps among them. Coded storages plan
+    only where their encoders run on CUDA (fused_kernels_enabled): elsewhere the plain
+    ones are held."""
     import mlx.core as mx
 
     from kvspec.accelerated.device import fused_kernels_enabled
 
     mlx_only(backend)
-    if kind != "KVCache" and not fused_kernels_enabled():
-        pytest.skip("record storages plan where their encoders run on CUDA")
+    if ("Quantized" in kind or "Turbo" in kind) and not fused_kernels_enabled():
+        pytest.skip("coded storages plan where their encoders run on CUDA")
     caches = backend.module("caches")
-    make = RECORD_KINDS[kind]
+    make = KINDS[kind]
     planned, checked = make(caches), make(Unplanned(caches))
     rng = np.random.default_rng(prefill)
 
@@ -94,7 +99,10 @@ def test_planned_appends_store_what_checked_appends_store(
             for cache in (planned, checked):
                 cache.append_window(k, v)
         elif op == "trim":
-            assert planned.trim(n) == checked.trim(n)
+            # A ring that has evicted positions cannot be trimmed (RING-5).
+            assert planned.is_trimmable() == checked.is_trimmable()
+            if planned.is_trimmable():
+                assert planned.trim(n) == checked.trim(n)
         else:
             for cache in (planned, checked):
                 cache.restore_state(cache.state())
@@ -135,7 +143,7 @@ def test_an_append_the_plan_does_not_take_is_checked(backend: Backend) -> None:
     assert cache.offset == 3
 
 
-@pytest.mark.parametrize("kind", sorted(RECORD_KINDS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_planned_append_launches_what_a_checked_append_launches(
     backend: Backend, kind: str
 ) -> None:
@@ -156,7 +164,7 @@ def test_a_planned_append_launches_what_a_checked_append_launches(
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
 
     with cuda_path() as launches:
-        make = RECORD_KINDS[kind]
+        make = KINDS[kind]
         planned, checked = make(caches), make(Unplanned(caches))
         prefill = normal((1, 2, 254, 128))
         for cache in (planned, checked):
@@ -176,5 +184,6 @@ def test_a_planned_append_launches_what_a_checked_append_launches(
                 rank = launches.outputs[-1] if launches.outputs else None
                 assert running(cache) is rank
             assert made[0] == made[1]
-            assert (planned.offset, planned.capacity) == (checked.offset, checked.capacity)
+            shapes = [[tuple(a.shape) for a in c.state().arrays] for c in (planned, checked)]
+            assert planned.offset == checked.offset and shapes[0] == shapes[1]
     assert planned._planned_append is not None

@@ -11,7 +11,8 @@ import mlx.core as mx
 from kvspec.accelerated import affine
 from kvspec.accelerated.attention_kernels import AFFINE, StoredSide
 from kvspec.accelerated.caches.kv import GrowingStorage
-from kvspec.accelerated.caches.reads import Encoder, running
+from kvspec.accelerated.caches.planned import Encoder
+from kvspec.accelerated.caches.reads import running
 from kvspec.accelerated.caches.records import GrowingRecordStorage, record_encode
 from kvspec.reference.caches import quantized
 from kvspec.reference.caches.quantized import check_affine_parameters

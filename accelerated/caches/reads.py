@@ -19,16 +19,12 @@ from kvspec.accelerated import attention_kernels, dtypes
 from kvspec.accelerated.attention_kernels import PLAIN, Stored, StoredSide
 from kvspec.accelerated.caches import masks
 from kvspec.accelerated.caches.attention import attention, check_queries
-from kvspec.accelerated.caches.protocol import Mask, Read
+from kvspec.accelerated.caches.planned import Encoder, PlannedAppend
+from kvspec.accelerated.caches.protocol import KvLayout, Mask, Read
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import reads
 from kvspec.reference.caches.compiled import DecodePlan
 from kvspec.reference.caches.storage import Fields
-
-#: An encode planned for one shape of appends (`ReadMethods._append_encoder`): keys, values
-#: and the running rank (DEFER-3; None before the first) to the fields to store and the new
-#: running rank (None: the storage keeps its own).
-Encoder = Callable[[mx.array, mx.array, mx.array | None], tuple[Fields, mx.array | None]]
 
 
 class DenseRead(reads.DenseRead):
@@ -252,10 +248,28 @@ class ReadMethods(reads.ReadMethods):
         that the graph holds no reshape of them per layer."""
         return int32_single(value)
 
+    #: The plan of the last append that went the checked path (accelerated/caches/planned.py).
+    _planned_append: PlannedAppend | None = None
+
+    def _checked(self, k: mx.array, v: mx.array) -> tuple[KvLayout, Fields]:
+        """CACHE-2, DEFER-3: an append of the planned shapes into the planned layout runs the
+        planned encode, the running rank carried as `_record_failure` carries it; any other
+        is checked as the reference checks it, and planned for the next."""
+        planned = self._planned_append
+        if planned is not None and planned.takes(self, k, v):
+            fields, failure = planned.encode(k, v, running(self))
+            if failure is not None:
+                self._failure = failure
+            return planned.layout, fields
+        layout, fields = super()._checked(k, v)
+        encode = self._append_encoder(k, v)
+        self._planned_append = None if encode is None else PlannedAppend(k, v, layout, encode)
+        return layout, fields
+
     def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
         """What `_encode_recorded` does with an append shaped as `k`, `v`, its checks made
         here (raising as they would): an encode that later appends of the same shapes and
-        dtype run unchecked (kv.PlannedAppend). None where none is planned: eager checks,
+        dtype run unchecked (PlannedAppend). None where none is planned: eager checks,
         which read the input on the host, and encoders that check at every call."""
         return None
 

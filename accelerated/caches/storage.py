@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvspec.accelerated.caches.reads import Encoder
+from kvspec.accelerated.caches.planned import Encoder
 from kvspec.reference.caches import storage
 from kvspec.reference.caches.storage import Fields
 

@@ -12,7 +12,8 @@ from kvspec.accelerated import turboquant
 from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredSide
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
-from kvspec.accelerated.caches.reads import Encoder, SlotRead, running
+from kvspec.accelerated.caches.planned import Encoder
+from kvspec.accelerated.caches.reads import SlotRead, running
 from kvspec.accelerated.caches.records import GrowingRecordStorage, record_encode
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import turboquant as reference
