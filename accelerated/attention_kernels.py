@@ -518,7 +518,8 @@ def decode_attention(
     buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
     record row) instead of the buffers. Call only when `supported`."""
     formats = _read_formats(stored)
-    launch = _planned(queries, formats, scale, out_dtype, rows is not None, tensor_cores, slot)
+    counted, slotted = rows is not None, slot is not None
+    launch = _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slotted)
     return launch(queries, stored, rows, slot)
 
 
@@ -529,10 +530,11 @@ def read_launch(
     out_dtype: mx.Dtype,
     counted: bool,
     tensor_cores: bool | None,
-    slot: object | None,
+    slotted: bool,
 ) -> ReadLaunch | None:
     """The launches of `decode_attention(queries, stored, scale, out_dtype, rows,
-    tensor_cores, slot)`, `counted` whether it has rows, planned once per configuration;
+    tensor_cores, slot)`, `counted` whether it has rows and `slotted` a slot, planned once
+    per configuration;
     None where the kernels do not take the read (`supported`, one query position). It does
     not check the queries against the stored keys (`ReadLaunch.keys_shape`)."""
     _, Hq, N, _ = queries.shape
@@ -542,7 +544,7 @@ def read_launch(
     _, Hk, _, keys, values, _ = formats
     if Hq % Hk != 0 or Hq // Hk > MAX_GROUP or not cuda_core_fit(keys, values):
         return None
-    return _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slot)
+    return _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slotted)
 
 
 #: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
@@ -565,7 +567,7 @@ def _planned(
     out_dtype: mx.Dtype,
     counted: bool,
     tensor_cores: bool | None,
-    slot: object | None,
+    slotted: bool,
 ) -> ReadLaunch:
     B, Hk, T, keys, values, offsets = formats
     return _read_launch(
@@ -580,7 +582,7 @@ def _planned(
         out_dtype,
         counted,
         tensor_cores,
-        slot is not None,
+        slotted,
         offsets,
     )
 
@@ -605,16 +607,15 @@ class ReadLaunch(NamedTuple):
         """The read's output [B, Hq, 1, Dv] (`decode_attention`'s arguments)."""
         if isinstance(stored, StoredRecord):
             inputs = [queries, stored.record]
-            if slot is not None:
-                slot_inputs = [slot[0], slot[1]]
+            slot_inputs = [] if slot is None else [slot[0], slot[1]]
         else:
             inputs = [queries, *_fields(stored[0]), *_fields(stored[1])]
-            if slot is not None:
-                slot_inputs = [slot[0], *_fields(slot[1][0]), *_fields(slot[1][1])]
+            slot_inputs = (
+                [] if slot is None else [slot[0], *_fields(slot[1][0]), *_fields(slot[1][1])]
+            )
         if rows is not None:
             inputs.append(rows)
-        if slot is not None:
-            inputs += slot_inputs
+        inputs += slot_inputs
         partial, stats = self.partial(inputs=inputs, **self.partial_options)
         (out,) = self.merge(inputs=[partial, stats], **self.merge_options)
         return out

@@ -122,7 +122,7 @@ class StoredRead:
                 self.read_dtype,
                 self.rows is not None,
                 tensor_cores,
-                self.slot,
+                self.slot is not None,
             )
         if launch is None:
             return self.decoded().attend(queries, scale)
