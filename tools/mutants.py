@@ -340,7 +340,8 @@ CATALOGUE = (
     Mutant(
         "mlx-planned-append-keeps-old-rank",
         "accelerated/caches/reads.py",
-        "            if failure is not None:\n                self._failure = failure\n",
+        "            if failure is not None:\n"
+        "                fields = self._record_failure(fields, failure)\n",
         "",
         "a planned append drops the running rank its encode returns (DEFER-3)",
         (f"{PLANNED}::test_a_planned_append_launches_what_a_checked_append_launches",),

@@ -253,13 +253,13 @@ class ReadMethods(reads.ReadMethods):
 
     def _checked(self, k: mx.array, v: mx.array) -> tuple[KvLayout, Fields]:
         """CACHE-2, DEFER-3: an append of the planned shapes into the planned layout runs the
-        planned encode, the running rank carried as `_record_failure` carries it; any other
-        is checked as the reference checks it, and planned for the next."""
+        planned encode, its running rank kept by `_record_failure` as the checked path keeps
+        it; any other is checked as the reference checks it, and planned for the next."""
         planned = self._planned_append
         if planned is not None and planned.takes(self, k, v):
             fields, failure = planned.encode(k, v, running(self))
             if failure is not None:
-                self._failure = failure
+                fields = self._record_failure(fields, failure)
             return planned.layout, fields
         layout, fields = super()._checked(k, v)
         encode = self._append_encoder(k, v)
