@@ -8,10 +8,10 @@ and depend on no input."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 if TYPE_CHECKING:  # the suite runs a port's backend without MLX
@@ -55,10 +55,8 @@ def cuda_path() -> Iterator[Launches]:
 
     from kvspec.accelerated import (
         affine,
-        affine_kernels,
         attention_kernels,
         turboquant,
-        turboquant_kernels,
     )
     from kvspec.accelerated.caches import reads
     from kvspec.accelerated.caches import turboquant as turboquant_caches
@@ -102,18 +100,32 @@ def cuda_path() -> Iterator[Launches]:
 
         return launch
 
-    factories = [
-        *attention_kernels.KERNEL_CACHES,
-        *affine_kernels.KERNEL_CACHES,
-        *turboquant_kernels.KERNEL_CACHES,
-    ]
     with ExitStack() as patches:
-        for factory in factories:
-            factory.cache_clear()
-        patches.callback(lambda: [factory.cache_clear() for factory in factories])
-        patches.enter_context(mock.patch.object(mx.fast, "cuda_kernel", stand_in))
+        patches.enter_context(kernels_made_by(stand_in))
         for module in (reads, turboquant, turboquant_caches):
             patches.enter_context(mock.patch.object(module, "fused_kernels_enabled", lambda: True))
         patches.enter_context(mock.patch.object(affine, "_default_encoder", lambda: "cuda"))
         patches.enter_context(mock.patch.object(attention_kernels, "on_cuda", lambda: True))
         yield launches
+
+
+@contextmanager
+def kernels_made_by(make: Callable[..., Any]) -> Iterator[None]:
+    """For the time of the block, every custom kernel is made by `make` in place of
+    `mx.fast.cuda_kernel`. Every kernel object the backend keeps made is dropped before and
+    after, so that none made outside the block is launched in it, nor one made in it after."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import affine_kernels, attention_kernels, turboquant_kernels
+
+    made = [
+        *attention_kernels.KERNEL_CACHES,
+        *affine_kernels.KERNEL_CACHES,
+        *turboquant_kernels.KERNEL_CACHES,
+    ]
+    with ExitStack() as stack:
+        for cache in made:
+            cache.cache_clear()
+        stack.callback(lambda: [cache.cache_clear() for cache in made])
+        stack.enter_context(mock.patch.object(mx.fast, "cuda_kernel", make))
+        yield

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
-from unittest import mock
 
 import mlx.core as mx
 from bench import (
@@ -37,7 +36,7 @@ from bench import (
     samples,
 )
 
-from kvspec.accelerated import affine_kernels, attention_kernels, turboquant_kernels
+from kvspec.conformance.stand_ins import cuda_path, kernels_made_by
 
 #: The kinds timed without --kinds.
 DEFAULT_KINDS = ("TurboQuantKVCache k8v4 dense", "QuantizedKVCache 4-bit g64", "KVCache")
@@ -87,16 +86,7 @@ def recorded_launches() -> Iterator[Recorder]:
 
         return launch
 
-    made = [
-        *attention_kernels.KERNEL_CACHES,
-        *affine_kernels.KERNEL_CACHES,
-        *turboquant_kernels.KERNEL_CACHES,
-    ]
-    with ExitStack() as stack:
-        for cache in made:
-            cache.cache_clear()
-        stack.callback(lambda: [cache.cache_clear() for cache in made])
-        stack.enter_context(mock.patch.object(mx.fast, "cuda_kernel", wrapped))
+    with kernels_made_by(wrapped):
         yield recorder
 
 
@@ -185,8 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     contexts, layers, turns = args.contexts, args.layers, args.turns
     with ExitStack() as stack:
         if args.quick:
-            from kvspec.conformance.stand_ins import cuda_path
-
             stack.enter_context(cuda_path())
             contexts, layers, turns = [64], 2, 2
         recorder = stack.enter_context(recorded_launches())
