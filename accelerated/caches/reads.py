@@ -256,6 +256,8 @@ class ReadMethods(reads.ReadMethods):
         planned encode, its running rank kept by `_record_failure` as the checked path keeps
         it; any other is checked as the reference checks it, and planned for the next."""
         planned = self._planned_append
+        # (A padding `prepare` set, which the checked path applies, is only ever on a storage
+        # holding nothing: no layout, so no plan takes its append.)
         if planned is not None and planned.takes(self, k, v):
             fields, failure = planned.encode(k, v, running(self))
             if failure is not None:
