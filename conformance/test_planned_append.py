@@ -7,6 +7,8 @@ not take checked as before."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -163,7 +165,16 @@ def test_a_planned_append_launches_what_a_checked_append_launches(
     def normal(shape: tuple[int, ...]) -> mx.array:
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
 
-    with cuda_path() as launches:
+    from kvspec.reference.caches.storage import FieldStorage
+
+    checked_path = FieldStorage._checked
+    went_checked: list[object] = []
+
+    def counted(storage: FieldStorage, k: mx.array, v: mx.array) -> tuple:
+        went_checked.append(storage)
+        return checked_path(storage, k, v)
+
+    with cuda_path() as launches, mock.patch.object(FieldStorage, "_checked", counted):
         make = KINDS[kind]
         planned, checked = make(caches), make(Unplanned(caches))
         prefill = normal((1, 2, 254, 128))
@@ -186,4 +197,5 @@ def test_a_planned_append_launches_what_a_checked_append_launches(
             assert made[0] == made[1]
             shapes = [[tuple(a.shape) for a in c.state().arrays] for c in (planned, checked)]
             assert planned.offset == checked.offset and shapes[0] == shapes[1]
-    assert planned._planned_append is not None
+    # The window and the first decode append went the checked path; the twin's, all six.
+    assert [went_checked.count(cache) for cache in (planned, checked)] == [2, 6]

@@ -338,6 +338,15 @@ CATALOGUE = (
         (f"{PLANNED}::test_an_append_the_plan_does_not_take_is_checked",),
     ),
     Mutant(
+        "mlx-planned-append-never-taken",
+        "accelerated/caches/reads.py",
+        "        if planned is not None and planned.takes(self, k, v):\n",
+        "        if planned is None and planned.takes(self, k, v):\n",
+        "every append goes the checked path, planned again each time: the bits stay right "
+        "and a decode step's host time goes back up (CACHE-2 on MLX)",
+        (f"{PLANNED}::test_a_planned_append_launches_what_a_checked_append_launches",),
+    ),
+    Mutant(
         "mlx-planned-append-keeps-old-rank",
         "accelerated/caches/reads.py",
         "            if failure is not None:\n"
