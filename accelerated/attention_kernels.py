@@ -485,19 +485,6 @@ class StoredRecord(NamedTuple):
 Stored = tuple[StoredSide, StoredSide] | StoredRecord
 
 
-def stored_formats(
-    stored: Stored,
-) -> tuple[SideFormat | StoredSide, SideFormat | StoredSide, int, int]:
-    """The formats of keys and values as the kernels take them, the KV heads and the rows
-    read (the key codes' or the record's)."""
-    if isinstance(stored, StoredRecord):
-        _, Hk, T, _ = stored.record.shape
-        return stored.record_format.keys, stored.record_format.values, Hk, T
-    keys, values = stored
-    _, Hk, T, _ = keys.codes.shape
-    return keys, values, Hk, T
-
-
 def decode_attention(
     queries: mx.array,
     stored: Stored,
@@ -517,7 +504,7 @@ def decode_attention(
     `tensor_core_fit`). `slot` = (row, new), the compiled step's write slot (COMPILE-4):
     buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
     record row) instead of the buffers. Call only when `supported`."""
-    formats = _read_formats(stored)
+    formats = stored_formats(stored)
     counted, slotted = rows is not None, slot is not None
     launch = _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slotted)
     return launch(queries, stored, rows, slot)
@@ -538,20 +525,23 @@ def read_launch(
     None where the kernels do not take the read (`supported`, one query position). It does
     not check the queries against the stored keys (`ReadLaunch.keys_shape`)."""
     _, Hq, N, _ = queries.shape
-    if N != 1 or not on_cuda():
+    if N != 1:
         return None
-    formats = _read_formats(stored)
+    formats = stored_formats(stored)
     _, Hk, _, keys, values, _ = formats
-    if Hq % Hk != 0 or Hq // Hk > MAX_GROUP or not cuda_core_fit(keys, values):
+    if not supported(keys, values, Hk, Hq):
         return None
     return _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slotted)
 
 
 #: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
-_Formats = tuple[int, int, int, SideFormat, SideFormat, tuple[int, ...] | None]
+Formats = tuple[int, int, int, SideFormat, SideFormat, tuple[int, ...] | None]
 
 
-def _read_formats(stored: Stored) -> _Formats:
+def stored_formats(stored: Stored) -> Formats:
+    """What the kernels read `stored` as: its batch, KV heads and rows (the key codes' or
+    the record's), the formats of keys and values, and a record's field offsets (None for
+    sides)."""
     if isinstance(stored, StoredRecord):
         B, Hk, T, _ = stored.record.shape
         record_format = stored.record_format
@@ -562,7 +552,7 @@ def _read_formats(stored: Stored) -> _Formats:
 
 def _planned(
     queries: mx.array,
-    formats: _Formats,
+    formats: Formats,
     scale: float,
     out_dtype: mx.Dtype,
     counted: bool,

@@ -191,7 +191,7 @@ def _on_tensor_cores(read) -> bool:
     """Whether the MLX backend's kernels take a read on their tensor-core body by default."""
     from kvspec.accelerated import attention_kernels
 
-    keys, values, _, _ = attention_kernels.stored_formats(read.stored)
+    _, _, _, keys, values, _ = attention_kernels.stored_formats(read.stored)
     return attention_kernels.tensor_core_fit(keys, values)
 
 

@@ -466,7 +466,7 @@ def cuda_core_attend(read: object, q: mx.array, scale: float) -> Callable[[], mx
     take it (READ-7 on CUDA); None elsewhere."""
     if not isinstance(read, StoredRead):
         return None
-    keys, values, kv_heads, _ = attention_kernels.stored_formats(read.stored)
+    _, kv_heads, _, keys, values, _ = attention_kernels.stored_formats(read.stored)
     if not (
         attention_kernels.supported(keys, values, kv_heads, q.shape[1])
         and attention_kernels.tensor_core_fit(keys, values)
