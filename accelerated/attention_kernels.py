@@ -510,9 +510,13 @@ def decode_attention(
     return launch(queries, stored, rows, slot)
 
 
+#: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
+Formats = tuple[int, int, int, SideFormat, SideFormat, tuple[int, ...] | None]
+
+
 def read_launch(
     queries: mx.array,
-    stored: Stored,
+    formats: Formats,
     scale: float,
     out_dtype: mx.Dtype,
     counted: bool,
@@ -520,22 +524,17 @@ def read_launch(
     slotted: bool,
 ) -> ReadLaunch | None:
     """The launches of `decode_attention(queries, stored, scale, out_dtype, rows,
-    tensor_cores, slot)`, `counted` whether it has rows and `slotted` a slot, planned once
-    per configuration;
-    None where the kernels do not take the read (`supported`, one query position). It does
-    not check the queries against the stored keys (`ReadLaunch.keys_shape`)."""
+    tensor_cores, slot)` for stored rows of `formats` (`stored_formats`), `counted` whether
+    it has rows and `slotted` a slot, planned once per configuration; None where the kernels
+    do not take the read (`supported`, one query position). It does not check the queries
+    against the stored keys (`ReadLaunch.keys_shape`)."""
     _, Hq, N, _ = queries.shape
     if N != 1:
         return None
-    formats = stored_formats(stored)
     _, Hk, _, keys, values, _ = formats
     if not supported(keys, values, Hk, Hq):
         return None
     return _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slotted)
-
-
-#: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
-Formats = tuple[int, int, int, SideFormat, SideFormat, tuple[int, ...] | None]
 
 
 def stored_formats(stored: Stored) -> Formats:

@@ -67,6 +67,7 @@ RING_MASKS = "test_ring_masks_against_positions_written"
 ROWS = "conformance/test_rows.py"
 MLX_LM_BATCH = "conformance/test_mlx_lm_batch.py"
 PLANNED = "conformance/test_planned_append.py"
+READ_LAUNCHES = "conformance/test_read_launches.py"
 
 CATALOGUE = (
     # -- the state machines both backends share (reference/caches) --------------------
@@ -367,12 +368,48 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "        return StoredRead(stored, read_dtype, decoded, int32_single(rows))\n",
-        "        return StoredRead(stored, read_dtype, decoded, "
+        "        return StoredRead(stored, self._launches(stored), decoded, int32_single(rows))\n",
+        "        return StoredRead(stored, self._launches(stored), decoded, "
         "mx.array([rows], dtype=mx.int32))\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
         (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
+    ),
+    Mutant(
+        "mlx-read-launches-any-layout",
+        "accelerated/caches/reads.py",
+        "            layout is self._layout\n"
+        "            and record_format is self._record_format\n",
+        "            record_format is self._record_format\n",
+        "a storage's kept read launches serve a storage restored with another layout of the "
+        "same shape: its rows are read as the old dtype (READ-7)",
+        (f"{READ_LAUNCHES}::test_a_ring_restored_in_another_dtype_reads_in_that_dtype",),
+    ),
+    Mutant(
+        "mlx-read-launches-any-rows",
+        "accelerated/caches/reads.py",
+        "            and rows_shape == self._rows_shape\n",
+        "",
+        "a storage's kept read launches serve its buffers after they grow: the kernels are "
+        "planned for the rows the buffers had (READ-7)",
+        (f"{READ_LAUNCHES}::test_a_read_launches_what_its_stored_rows_plan",),
+    ),
+    Mutant(
+        "mlx-read-launches-queries-unchecked",
+        "accelerated/caches/reads.py",
+        "        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted)\n",
+        "        key = (scale, tensor_cores, counted, slotted)\n",
+        "a read's launches are kept by everything but the queries: queries that do not fit "
+        "the keys launch the kernels of those that did (READ-1)",
+        (f"{READ_LAUNCHES}::test_queries_that_do_not_fit_raise_at_every_read",),
+    ),
+    Mutant(
+        "mlx-read-launches-kept-off-cuda",
+        "accelerated/caches/reads.py",
+        "        if not attention_kernels.on_cuda():\n            return None\n",
+        "",
+        "a read's launches made on CUDA are launched after MLX's default device changed (READ-7)",
+        (f"{READ_LAUNCHES}::test_a_read_off_cuda_launches_no_kernel",),
     ),
     Mutant(
         "mlx-kernel-constants-unnamed",

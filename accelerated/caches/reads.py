@@ -100,8 +100,8 @@ class StoredRead:
 
     #: The stored sides, or the record that holds both: whole buffers.
     stored: Stored
-    #: The format keys are read in (the layout's dtype; float32 for TurboQuant, TQC-2).
-    read_dtype: mx.Dtype
+    #: The kernels' launches for reads of this configuration (its storage's, kept).
+    launches: ReadLaunches
     decoded: Callable[[], Read]
     #: The live row count as data (int32 [1]; COMPILE-4 in the compiled step): the kernels
     #: read the first rows[0] rows of the buffers. None: every row read.
@@ -115,21 +115,83 @@ class StoredRead:
         fit); elsewhere it is not used."""
         launch = None
         if fused_kernels_enabled():
-            launch = attention_kernels.read_launch(
-                queries,
-                self.stored,
-                scale,
-                self.read_dtype,
-                self.rows is not None,
-                tensor_cores,
-                self.slot is not None,
+            launch = self.launches.launch(
+                queries, scale, tensor_cores, self.rows is not None, self.slot is not None
             )
         if launch is None:
             return self.decoded().attend(queries, scale)
-        check_queries(queries, launch.keys_shape, self.read_dtype)
         slot = None if self.slot is None else (self.slot.position, self.slot.new)
         # The kernels widen the queries themselves; the output is in the read's format.
         return launch(queries, self.stored, self.rows, slot)
+
+
+class ReadLaunches:
+    """READ-7's launches over one configuration of stored rows (a storage's layout and the
+    shape of its buffers: `serves`), made once per query configuration. A decode step reads
+    one configuration at every layer and step until the buffers grow, and finding its
+    launch anew (the stored formats, whether the kernels take them, the queries' fit) costs
+    the host more than the rest of the read. Not copied with a storage: it holds no array,
+    and what it holds depends only on what `serves` compares."""
+
+    __slots__ = ("_formats", "_launches", "_layout", "_record_format", "_rows_shape", "read_dtype")
+
+    def __init__(self, stored: Stored, read_dtype: mx.Dtype, layout: KvLayout) -> None:
+        self._formats = attention_kernels.stored_formats(stored)
+        self._layout = layout
+        self._record_format, self._rows_shape = _stored_configuration(stored)
+        #: The format keys are read in (the layout's dtype; float32 for TurboQuant, TQC-2).
+        self.read_dtype = read_dtype
+        self._launches: dict[tuple, attention_kernels.ReadLaunch | None] = {}
+
+    def __copy__(self) -> ReadLaunches:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> ReadLaunches:
+        return self
+
+    def serves(self, stored: Stored, layout: KvLayout) -> bool:
+        """Whether `stored`, of a storage holding `layout`, is of this configuration."""
+        record_format, rows_shape = _stored_configuration(stored)
+        return (
+            layout is self._layout
+            and record_format is self._record_format
+            and rows_shape == self._rows_shape
+        )
+
+    def launch(
+        self,
+        queries: mx.array,
+        scale: float,
+        tensor_cores: bool | None,
+        counted: bool,
+        slotted: bool,
+    ) -> attention_kernels.ReadLaunch | None:
+        """`attention_kernels.read_launch` for these queries, their fit checked (READ-1:
+        ValueError, at every call, for queries that do not fit); kept per query shape and
+        dtype, scale, body, count and slot. None where the kernels do not take the read,
+        asked anew whenever MLX's default device is not a CUDA GPU."""
+        if not attention_kernels.on_cuda():
+            return None
+        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted)
+        try:
+            return self._launches[key]
+        except KeyError:
+            pass
+        launch = attention_kernels.read_launch(
+            queries, self._formats, scale, self.read_dtype, counted, tensor_cores, slotted
+        )
+        if launch is not None:
+            check_queries(queries, launch.keys_shape, self.read_dtype)
+        self._launches[key] = launch
+        return launch
+
+
+def _stored_configuration(stored: Stored) -> tuple[object, tuple[int, ...]]:
+    """What, beside the storage's layout, fixes how the kernels read `stored`: a record's
+    format and shape, or the shape of the key codes (their formats follow the layout)."""
+    if isinstance(stored, attention_kernels.StoredRecord):
+        return stored.record_format, stored.record.shape
+    return None, stored[0].codes.shape
 
 
 class ReadMethods(reads.ReadMethods):
@@ -164,15 +226,28 @@ class ReadMethods(reads.ReadMethods):
         # buffers would be one more op per layer; the count is one array for every layer
         # at this offset.)
         fields = self._fields
-        assert fields is not None and self._layout is not None
+        assert fields is not None
         rows = self._live_rows()
-        read_dtype = dtypes.FLOAT_DTYPES[self._layout.dtype]
 
         def decoded() -> Read:
             return self._read_of(tuple(field[:, :, :rows] for field in fields))
 
         stored = self._stored_rows(fields)
-        return StoredRead(stored, read_dtype, decoded, int32_single(rows))
+        return StoredRead(stored, self._launches(stored), decoded, int32_single(rows))
+
+    #: The launches of this storage's last read configuration (`_launches`).
+    _read_launches: ReadLaunches | None = None
+
+    def _launches(self, stored: Stored) -> ReadLaunches:
+        """READ-7: the kernels' launches for reads of `stored`, kept while the storage reads
+        that configuration."""
+        layout = self._layout
+        assert layout is not None
+        known = self._read_launches
+        if known is None or not known.serves(stored, layout):
+            read_dtype = dtypes.FLOAT_DTYPES[layout.dtype]
+            known = self._read_launches = ReadLaunches(stored, read_dtype, layout)
+        return known
 
     def _stored_rows(self, fields: Fields) -> Stored:
         """READ-7: the stored fields as the kernels read them (`_stored_sides`)."""
@@ -188,11 +263,9 @@ class ReadMethods(reads.ReadMethods):
         portable = self._slot_decoded(fields, new, visible)
         if not fused_kernels_enabled():
             return portable
-        assert self.layout is not None
         stored = self._stored_rows(fields)
         slot = self._write_slot(position, new)
-        read_dtype = dtypes.FLOAT_DTYPES[self.layout.dtype]
-        return StoredRead(stored, read_dtype, lambda: portable, active_length, slot)
+        return StoredRead(stored, self._launches(stored), lambda: portable, active_length, slot)
 
     def _write_slot(self, position: mx.array, new: Fields) -> WriteSlot:
         """COMPILE-4: the new position's fields `new` as the kernels read them at buffer row

@@ -1,0 +1,154 @@
+"""The launches an MLX storage keeps for its decode reads (accelerated/caches/reads.py,
+ReadLaunches): a read finds its kernels' launches by its storage's read configuration, not
+anew from the stored rows and queries. Held on the CUDA path with its kernels stood in
+against `attention_kernels.decode_attention`, which plans every call from the stored rows
+themselves: the same launches with the same options after any sequence of appends, trims
+and restores (the buffers' growth, the rings' wraps, another layout of the same shape);
+queries that do not fit raise at every call; off CUDA no kernel launches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvspec.conformance.backend import Backend
+from kvspec.conformance.test_planned_append import KINDS, mlx_only, operations
+
+SCALE = 128**-0.5
+
+
+def launched(launches: object, attend: Callable[[], object]) -> list[tuple[str, str]]:
+    """The stand-in launches `attend` makes: each kernel's name and options."""
+    launches.calls.clear()
+    attend()
+    return list(launches.calls)
+
+
+def fresh_launches(launches: object, read: object, queries: object) -> list[tuple[str, str]]:
+    """The launches `decode_attention` makes for `read`, planned from its stored rows."""
+    from kvspec.accelerated import attention_kernels
+
+    read_dtype = read.launches.read_dtype
+    return launched(
+        launches,
+        lambda: attention_kernels.decode_attention(
+            queries, read.stored, SCALE, read_dtype, read.rows
+        ),
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@given(prefill=st.integers(1, 300), ops=operations, decodes=st.integers(0, 24))
+def test_a_read_launches_what_its_stored_rows_plan(
+    backend: Backend, kind: str, prefill: int, ops: list, decodes: int
+) -> None:
+    """READ-7 on MLX: every decode read of any sequence of appends, trims and restores,
+    decode runs crossing the buffers' 256-row steps and the rings' wraps among them, hands
+    MLX the launches `decode_attention` plans from its stored rows."""
+    import mlx.core as mx
+
+    from kvspec.conformance.stand_ins import cuda_path
+
+    mlx_only(backend)
+    rng = np.random.default_rng(prefill)
+
+    def normal(shape: tuple[int, ...]) -> mx.array:
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    queries = normal((1, 4, 1, 128))
+    with cuda_path() as launches:
+        cache = KINDS[kind](backend.module("caches"))
+        for op, n in [("window", prefill), *ops, *[("decode", 1)] * decodes]:
+            if op == "decode":
+                read = cache.append_decode(normal((1, 2, 1, 128)), normal((1, 2, 1, 128)))
+                kept = launched(launches, lambda read=read: read.attend(queries, SCALE))
+                assert kept, "a decode read of one query runs the kernels on CUDA"
+                assert kept == fresh_launches(launches, read, queries), op
+            elif op == "window":
+                cache.append_window(normal((1, 2, n, 128)), normal((1, 2, n, 128)))
+            elif op == "trim":
+                if cache.is_trimmable():
+                    cache.trim(n)
+            else:
+                cache.restore_state(cache.state())
+
+
+def test_a_ring_restored_in_another_dtype_reads_in_that_dtype(backend: Backend) -> None:
+    """READ-7 on MLX: a full ring restored from a ring of another dtype holds buffers of the
+    same shape; its next read launches the kernels of the new dtype."""
+    import mlx.core as mx
+
+    from kvspec.conformance.stand_ins import cuda_path
+
+    mlx_only(backend)
+    caches = backend.module("caches")
+    with cuda_path() as launches:
+        rings = {dtype: caches.RotatingKVCache(16, keep=2) for dtype in (mx.bfloat16, mx.float16)}
+        for dtype, ring in rings.items():
+            rows = mx.ones((1, 2, 20, 64), dtype)
+            ring.append_window(rows, rows)
+        ring = rings[mx.bfloat16]
+        row = mx.ones((1, 2, 1, 64), mx.bfloat16)
+        read = ring.append_decode(row, row)
+        bf16_launches = launched(launches, lambda: read.attend(row, SCALE))
+        ring.restore_state(rings[mx.float16].state())
+        row = mx.ones((1, 2, 1, 64), mx.float16)
+        read = ring.append_decode(row, row)
+        assert read.stored[0].codes.dtype == mx.float16
+        kept = launched(launches, lambda: read.attend(row, SCALE))
+        assert kept == fresh_launches(launches, read, row)
+        assert kept != bf16_launches
+
+
+def test_queries_that_do_not_fit_raise_at_every_read(backend: Backend) -> None:
+    """READ-1 on the kernels' path: after queries that fit, queries of another head dim,
+    batch, dtype or head count raise at every read, and those that fit still read."""
+    import mlx.core as mx
+
+    from kvspec.conformance.stand_ins import cuda_path
+
+    mlx_only(backend)
+    with cuda_path() as launches:
+        cache = backend.module("caches").KVCache()
+        rows = mx.ones((1, 2, 8, 64), mx.bfloat16)
+        cache.append_window(rows, rows)
+        read = cache.append_decode(rows[:, :, :1], rows[:, :, :1])
+        fits = mx.ones((1, 4, 1, 64), mx.bfloat16)
+        assert launched(launches, lambda: read.attend(fits, SCALE))
+        misfits = [
+            mx.ones((1, 4, 1, 32), mx.bfloat16),
+            mx.ones((2, 4, 1, 64), mx.bfloat16),
+            mx.ones((1, 4, 1, 64), mx.float16),
+            mx.ones((1, 3, 1, 64), mx.bfloat16),
+        ]
+        for queries in misfits:
+            for _ in range(2):
+                with pytest.raises(ValueError):
+                    read.attend(queries, SCALE)
+        assert launched(launches, lambda: read.attend(fits, SCALE))
+
+
+def test_a_read_off_cuda_launches_no_kernel(backend: Backend) -> None:
+    """READ-7: a read whose launches were made on CUDA attends through its decoded rows
+    once MLX's default device is not a CUDA GPU, and through the kernels again after."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels
+    from kvspec.conformance.stand_ins import cuda_path
+
+    mlx_only(backend)
+    with cuda_path() as launches:
+        cache = backend.module("caches").KVCache()
+        rows = mx.ones((1, 2, 8, 64), mx.bfloat16)
+        cache.append_window(rows, rows)
+        read = cache.append_decode(rows[:, :, :1], rows[:, :, :1])
+        queries = mx.ones((1, 4, 1, 64), mx.bfloat16)
+        assert launched(launches, lambda: read.attend(queries, SCALE))
+        with mock.patch.object(attention_kernels, "on_cuda", lambda: False):
+            assert launched(launches, lambda: mx.eval(read.attend(queries, SCALE))) == []
+        assert launched(launches, lambda: read.attend(queries, SCALE))
