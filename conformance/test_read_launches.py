@@ -105,6 +105,16 @@ def test_a_ring_restored_in_another_dtype_reads_in_that_dtype(backend: Backend) 
         assert kept != bf16_launches
 
 
+def kv_cache_read(backend: Backend) -> object:
+    """A KVCache's decode read over 9 rows of 2 KV heads, head dim 64 (on the CUDA path)."""
+    import mlx.core as mx
+
+    cache = backend.module("caches").KVCache()
+    rows = mx.ones((1, 2, 8, 64), mx.bfloat16)
+    cache.append_window(rows, rows)
+    return cache.append_decode(rows[:, :, :1], rows[:, :, :1])
+
+
 def test_queries_that_do_not_fit_raise_at_every_read(backend: Backend) -> None:
     """READ-1 on the kernels' path: after queries that fit, queries of another head dim,
     batch, dtype or head count raise at every read, and those that fit still read."""
@@ -114,10 +124,7 @@ def test_queries_that_do_not_fit_raise_at_every_read(backend: Backend) -> None:
 
     mlx_only(backend)
     with cuda_path() as launches:
-        cache = backend.module("caches").KVCache()
-        rows = mx.ones((1, 2, 8, 64), mx.bfloat16)
-        cache.append_window(rows, rows)
-        read = cache.append_decode(rows[:, :, :1], rows[:, :, :1])
+        read = kv_cache_read(backend)
         fits = mx.ones((1, 4, 1, 64), mx.bfloat16)
         assert launched(launches, lambda: read.attend(fits, SCALE))
         misfits = [
@@ -143,10 +150,7 @@ def test_a_read_off_cuda_launches_no_kernel(backend: Backend) -> None:
 
     mlx_only(backend)
     with cuda_path() as launches:
-        cache = backend.module("caches").KVCache()
-        rows = mx.ones((1, 2, 8, 64), mx.bfloat16)
-        cache.append_window(rows, rows)
-        read = cache.append_decode(rows[:, :, :1], rows[:, :, :1])
+        read = kv_cache_read(backend)
         queries = mx.ones((1, 4, 1, 64), mx.bfloat16)
         assert launched(launches, lambda: read.attend(queries, SCALE))
         with mock.patch.object(attention_kernels, "on_cuda", lambda: False):
