@@ -1,6 +1,8 @@
 """Every custom kernel the CUDA path launches for bench's kinds, built offline as MLX builds
 it (nvcc in place of NVRTC, for the same architecture): the registers a thread, the bytes
-spilled and the static shared memory of each kernel, without a GPU.
+spilled and the static shared memory of each kernel, without a GPU; with --sass, the
+instructions of each kernel's longest loop (its main loop: for a decode-attention pass, one
+chunk of positions), from cuobjdump's SASS.
 
 MLX (0.32, `mlx/backend/cuda/custom_kernel.cpp`) writes a custom kernel's source as its
 default header (MLX's device utilities), the kernel's header, then in namespace
@@ -17,6 +19,10 @@ prefill of PREFILL positions, an eager decode step and a compiled step (its slot
     python tools/cuda_build.py                            # bench's step kinds, head dim 128
     python tools/cuda_build.py --kinds TurboQuant --head-dim 64 --keep /tmp/kernels
     python tools/cuda_build.py --quick                    # one small kernel
+    python tools/cuda_build.py --kinds Quantized --sass   # and each main loop's size
+
+cuobjdump comes with the CUDA toolkit, or alone from PyPI (`nvidia-cuda-cuobjdump`, its
+binary under the package's bin directory); --sass needs it on the PATH.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ class Usage:
     spill_stores: int
     spill_loads: int
     shared_bytes: int
+    #: Instructions of the longest loop in the kernel's SASS (`longest_loop`); None unasked.
+    loop_instructions: int | None = None
 
 
 def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
@@ -122,9 +130,44 @@ _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SHARED = re.compile(r"(\d+) bytes smem")
 
 
-def build(call: KernelCall, arch: str, directory: Path) -> Usage:
+#: One SASS instruction as cuobjdump prints it: its address, then its text up to the `;`.
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+#: A branch and its target address.
+_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(?:[^,]*,\s*)?(0x[0-9a-f]+)")
+
+
+def longest_loop(sass: str) -> int:
+    """The instructions from the target of a backward branch to the branch, of the longest
+    such loop in `sass` (cuobjdump -sass); 0 without one. A kernel's main loop is its longest:
+    the instructions one trip through it holds, every path of a branch in it counted."""
+    addresses = []
+    loops = [0]
+    for line in sass.splitlines():
+        found = _SASS_LINE.search(line)
+        if found is None:
+            continue
+        address = int(found.group(1), 16)
+        addresses.append(address)
+        branch = _BRANCH.search(found.group(2))
+        if branch is not None and int(branch.group(1), 16) < address:
+            target = int(branch.group(1), 16)
+            loops.append(sum(1 for at in addresses if target <= at <= address))
+    return max(loops)
+
+
+def loop_of(cubin: Path) -> int:
+    """`longest_loop` of a compiled kernel, disassembled by cuobjdump."""
+    done = subprocess.run(
+        ["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"cuobjdump failed on {cubin.name}:\n{done.stderr[-2000:]}")
+    return longest_loop(done.stdout)
+
+
+def build(call: KernelCall, arch: str, directory: Path, sass: bool = False) -> Usage:
     """Compile the kernel with nvcc (its source and cubin kept in `directory`) and read
-    ptxas's report of it."""
+    ptxas's report of it; with `sass`, its longest loop too."""
     source = directory / f"{call.name}.cu"
     source.write_text(kernel_source(call))
     command = [
@@ -155,6 +198,7 @@ def build(call: KernelCall, arch: str, directory: Path) -> Usage:
         int(spills.group(1)),
         int(spills.group(2)),
         int(shared.group(1)) if shared else 0,
+        loop_of(directory / f"{call.name}.cubin") if sass else None,
     )
 
 
@@ -169,10 +213,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="only the smallest kernel of the first kind"
     )
+    parser.add_argument(
+        "--sass", action="store_true", help="each kernel's longest loop, from cuobjdump"
+    )
     args = parser.parse_args(argv)
     kinds = picked_kinds(parser, args.kinds, DEFAULT_KINDS)
     if shutil.which("nvcc") is None:
         parser.error("nvcc is not on the PATH")
+    if args.sass and shutil.which("cuobjdump") is None:
+        parser.error("--sass needs cuobjdump on the PATH")
     calls = collect(kinds[:1] if args.quick else kinds, args.head_dim)
     if args.quick:
         smallest = min(calls.values(), key=lambda call: len(call.inputs))
@@ -181,11 +230,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         directory = Path(args.keep or scratch)
         directory.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            usages = list(pool.map(lambda call: build(call, args.arch, directory), calls.values()))
-    print(f"{'kernel':96}  {'registers':>9}  {'spill st/ld B':>13}  {'smem B':>7}")
+            usages = list(
+                pool.map(lambda call: build(call, args.arch, directory, args.sass), calls.values())
+            )
+    loop = f"  {'loop':>5}" if args.sass else ""
+    print(f"{'kernel':96}  {'registers':>9}  {'spill st/ld B':>13}  {'smem B':>7}{loop}")
     for usage in sorted(usages, key=lambda usage: usage.kernel):
         spills = f"{usage.spill_stores}/{usage.spill_loads}"
-        print(f"{usage.kernel:96}  {usage.registers:9d}  {spills:>13}  {usage.shared_bytes:7d}")
+        loop = f"  {usage.loop_instructions:5d}" if args.sass else ""
+        print(
+            f"{usage.kernel:96}  {usage.registers:9d}  {spills:>13}  {usage.shared_bytes:7d}{loop}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": args.arch, "rows": [asdict(usage) for usage in usages]}, f)

@@ -15,6 +15,28 @@ from kvspec.accelerated.attention_kernels import BLOCKS_PER_SM, WARPS
 from kvspec.accelerated.cuda_source import cuda_type
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+needs_cuobjdump = pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
+    reason="nvcc or cuobjdump is not on the PATH",
+)
+
+#: SASS as cuobjdump prints it: a loop of 5 instructions (0x0020 .. 0x0060) holding a
+#: forward branch, one of 3 (0x0080 .. 0x00a0), and the closing branch to itself.
+SASS = """
+        /*0000*/                   S2R R0, SR_TID.X ;                 /* 0x0000000000007919 */
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x8, PT ; /* 0x000000000000780c */
+        /*0020*/                   IADD3 R0, R0, 0x1, RZ ;            /* 0x0000000100007810 */
+        /*0030*/              @P0 BRA 0x50 ;                          /* 0x0000000000000947 */
+        /*0040*/                   FADD R1, R1, R1 ;                  /* 0x0000000101017221 */
+        /*0050*/                   ISETP.LT.AND P1, PT, R0, 0x20, PT ;
+        /*0060*/              @P1 BRA 0x20 ;                          /* 0x0000000000001947 */
+        /*0070*/                   NOP ;
+        /*0080*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0090*/                   VIADD R4, R4, 0x4 ;
+        /*00a0*/              @P1 BRA.U UR5, 0x80 ;
+        /*00b0*/                   EXIT ;
+        /*00c0*/                   BRA 0xc0;
+"""
 
 
 def test_the_path_makes_the_encode_pass_and_merge_of_each_step() -> None:
@@ -63,3 +85,19 @@ def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path
     assert len(passes) == 2 * len(cuda_build.DEFAULT_KINDS)  # eager and slot variants
     limit = 65536 // (BLOCKS_PER_SM * WARPS * 32)
     assert all(row["registers"] <= limit for row in passes), passes
+
+
+def test_the_longest_loop_counts_every_instruction_from_its_target_to_its_branch() -> None:
+    assert cuda_build.longest_loop(SASS) == 5
+    assert cuda_build.longest_loop(SASS.split("/*0070*/")[1]) == 3
+    assert cuda_build.longest_loop("") == 0
+
+
+@needs_cuobjdump
+def test_each_attention_pass_has_a_main_loop(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    kinds = ["--kinds", "KVCache"]
+    assert cuda_build.main([*kinds, "--sass", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    passes = [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
+    assert passes and all(row["loop_instructions"] > 100 for row in passes), passes
