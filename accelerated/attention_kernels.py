@@ -506,7 +506,16 @@ def decode_attention(
     record row) instead of the buffers. Call only when `supported`."""
     formats = stored_formats(stored)
     counted, slotted = rows is not None, slot is not None
-    launch = _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slotted)
+    launch = _read_launch(
+        tuple(queries.shape),
+        queries.dtype,
+        formats,
+        scale,
+        out_dtype,
+        counted,
+        tensor_cores,
+        slotted,
+    )
     return launch(queries, stored, rows, slot)
 
 
@@ -534,7 +543,16 @@ def read_launch(
     _, Hk, _, keys, values, _ = formats
     if not supported(keys, values, Hk, Hq):
         return None
-    return _planned(queries, formats, scale, out_dtype, counted, tensor_cores, slotted)
+    return _read_launch(
+        tuple(queries.shape),
+        queries.dtype,
+        formats,
+        scale,
+        out_dtype,
+        counted,
+        tensor_cores,
+        slotted,
+    )
 
 
 def stored_formats(stored: Stored) -> Formats:
@@ -547,33 +565,6 @@ def stored_formats(stored: Stored) -> Formats:
         return B, Hk, T, record_format.keys, record_format.values, record_format.offsets
     B, Hk, T, _ = stored[0].codes.shape
     return B, Hk, T, side_format(stored[0]), side_format(stored[1]), None
-
-
-def _planned(
-    queries: mx.array,
-    formats: Formats,
-    scale: float,
-    out_dtype: mx.Dtype,
-    counted: bool,
-    tensor_cores: bool | None,
-    slotted: bool,
-) -> ReadLaunch:
-    B, Hk, T, keys, values, offsets = formats
-    return _read_launch(
-        tuple(queries.shape),
-        queries.dtype,
-        keys,
-        values,
-        B,
-        Hk,
-        T,
-        scale,
-        out_dtype,
-        counted,
-        tensor_cores,
-        slotted,
-        offsets,
-    )
 
 
 class ReadLaunch(NamedTuple):
@@ -614,23 +605,19 @@ class ReadLaunch(NamedTuple):
 def _read_launch(
     query_shape: tuple[int, ...],
     query_dtype: mx.Dtype,
-    keys: SideFormat,
-    values: SideFormat,
-    B: int,
-    Hk: int,
-    T: int,
+    formats: Formats,
     scale: float,
     out_dtype: mx.Dtype,
     counted: bool,
     tensor_cores: bool | None,
     slotted: bool,
-    offsets: tuple[int, ...] | None,
 ) -> ReadLaunch:
     """The kernels and launch options of a read configuration, made once: a decode step
     reads with the same configuration at every layer, and (whole buffers with a live count)
     at every step until its buffers grow, so it spends no host time on planning.
     ValueError where the body asked for does not take the read."""
     _, Hq, N, _ = query_shape
+    B, Hk, T, keys, values, offsets = formats
     table_size = 1 << values.bits if values.fmt == TURBO_VALUE else 0
     plan = _plan(query_dtype, keys, values, Hq // Hk, _float_bits(scale), table_size, out_dtype)
     if tensor_cores is None:

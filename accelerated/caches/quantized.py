@@ -75,10 +75,6 @@ class AffineRecordFields(AffineFields):
             layout=affine.stored_layout(self.group_size, self.bits, k.shape[-1], k.dtype),
         )
 
-    def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
-        """The record encode where deferred checks take it (eager ones read the input)."""
-        return self._record_encoder(k, v) if self.checks == "deferred" else None
-
 
 class QuantizedKVCache(
     GrowingRecordStorage, AffineRecordFields, GrowingStorage, quantized.QuantizedKVCache

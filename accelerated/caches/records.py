@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvspec.accelerated.attention_kernels import RecordFormat, StoredRecord, side_format
+from kvspec.accelerated.caches.planned import Encoder
 from kvspec.accelerated.caches.reads import WriteSlot, written_rows
 from kvspec.accelerated.records import RecordLayout, field_view, layout_of, packed, unpacked
 from kvspec.reference.caches.kv import STEP
@@ -99,6 +100,13 @@ class RecordStorage:
         if rows is None or (parts.layout is not layout and parts.layout != layout):
             rows = packed(parts, layout)
         (self._record,) = written_rows((self._record,), start, (rows,))
+
+    def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
+        """The storage's one-launch record encode (`_record_encoder`, which each record
+        storage has) where deferred checks take it; eager checks read the input on the host."""
+        if self.checks != "deferred":  # type: ignore[attr-defined]
+            return None
+        return self._record_encoder(k, v)  # type: ignore[attr-defined]
 
     def _step_arrays(self, fields: Fields) -> tuple[mx.array, ...]:
         """COMPILE-3, COMPILE-4: a compiled step takes and gives the record, not its views."""

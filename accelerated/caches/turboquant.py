@@ -61,10 +61,6 @@ class TurboQuantKVCache(GrowingRecordStorage, GrowingStorage, reference.TurboQua
             layout=turboquant.stored_layout(self.k_bits, self.v_bits, k.shape[-1]),
         )
 
-    def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
-        """The record encode where deferred checks take it (eager ones read the input)."""
-        return self._record_encoder(k, v) if self.checks == "deferred" else None
-
     def _read_of(self, live: Fields) -> Read:
         """READ-2's read of live fields with this cache's kernels (TQC-4)."""
         if self.kernels == "dense":
