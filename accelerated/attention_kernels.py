@@ -114,7 +114,7 @@ def _merge_call(rotated: bool) -> str:
     """The body of a merge kernel; without rotation it reads no signs (a null pointer)."""
     return (
         "kvspec_attn::merge_pass<DV, PARTS, MAX_SPLITS, ROTATED, OT, INV_SQRT_BITS>("
-        f"partial, stats, stats_shape, {SIGNS if rotated else 'nullptr'}, out);"
+        f"partial, partial_shape, {SIGNS if rotated else 'nullptr'}, out);"
     )
 
 
@@ -205,7 +205,7 @@ def _partial_call(
             f"{table}, {pointer('rows')}, {pointer('slot_row')}, "
             f"{pointer('new_record')}, "
             f"{'new_record_strides' if 'new_record' in inputs else 'record_strides'}, "
-            "partial, stats);"
+            "partial);"
         )
 
     def strides(name: str) -> str:
@@ -230,7 +230,7 @@ def _partial_call(
         f"kvspec_attn::partial_pass<{flags}, {_PARTIAL_CONSTANTS}>("
         f"queries, queries_shape, queries_strides, {side('k', shape=True)}, {side('v')}, "
         f"{table}, {pointer('rows')}, {pointer('slot_row')}, {side('new_k')}, "
-        f"{side('new_v')}, partial, stats);"
+        f"{side('new_v')}, partial);"
     )
 
 
@@ -267,7 +267,7 @@ def _partial_kernel(
         _partial_call(mma, counted, slot, inputs, call_offsets, rotated),
         plan.partial_constants,
         input_names=inputs,
-        output_names=["partial", "stats"],
+        output_names=["partial"],
         header=_INCLUDE + constants_header(codebook_bits) + (_slot_bounds(plan) if slot else ""),
         ensure_row_contiguous=False,
         shared_memory=plan.shared_bytes[mma],
@@ -282,7 +282,7 @@ def _merge_kernel(plan: _Plan, rotated: bool) -> object:
         "kvspec_decode_merge" + ("_rotated" if rotated else ""),
         _merge_call(rotated),
         plan.merge_constants,
-        input_names=["partial", "stats"],
+        input_names=["partial"],
         output_names=["out"],
         header=_INCLUDE + constants_header(signs_dim=signs_dim),
     )
@@ -596,8 +596,8 @@ class ReadLaunch(NamedTuple):
         if rows is not None:
             inputs.append(rows)
         inputs += slot_inputs
-        partial, stats = self.partial(inputs=inputs, **self.partial_options)
-        (out,) = self.merge(inputs=[partial, stats], **self.merge_options)
+        (partial,) = self.partial(inputs=inputs, **self.partial_options)
+        (out,) = self.merge(inputs=[partial], **self.merge_options)
         return out
 
 
@@ -639,8 +639,9 @@ def _read_launch(
         {
             "grid": (splits * threads, B * Hk, 1),
             "threadgroup": (threads, 1, 1),
-            "output_shapes": [(B * Hq, splits, DV), (B * Hq, splits, 2)],
-            "output_dtypes": [mx.float32, mx.float32],
+            # Each split's DV sums, then its maximum and total: one array for the merge.
+            "output_shapes": [(B * Hq, splits, DV + 2)],
+            "output_dtypes": [mx.float32],
         },
         _merge_kernel(plan, values.fmt == TURBO_VALUE),
         {

@@ -490,8 +490,9 @@ constexpr bool SAME_TYPE<A, A> = true;
 // [B, Hq, 1, DK]; per side codes, scales, biases (a null pointer where a format has none:
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
 // row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields.
-// Outputs: partial sums
-// [B * Hq, SPLITS, DV] and (max, sum) [B * Hq, SPLITS, 2]. The softmax scale is a template
+// Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV partial
+// sums, then the split's maximum and sum (one array, so that the merge takes one input).
+// The softmax scale is a template
 // constant (its float32 bits): one compile per model, no per-step upload. Two bodies share
 // the block's setup and its final merge of the warps: on tensor cores (MMA: MMA over 8
 // positions at a time) and on CUDA cores (lanes over elements).
@@ -510,7 +511,7 @@ __device__ __forceinline__ void partial_pass(
     const KS* new_k_scales, const Strides& new_k_scales_strides, const KS* new_k_biases,
     const VC* new_v_codes, const Strides& new_v_codes_strides,
     const VS* new_v_scales, const Strides& new_v_scales_strides, const VS* new_v_biases,
-    float* partial, float* stats) {
+    float* partial) {
     // Each body's share of a row per lane.
     constexpr int EK = MMA ? DK / 4 : DK / 32;
     constexpr int EV = MMA ? DV / 8 : DV / 32;
@@ -947,11 +948,12 @@ __device__ __forceinline__ void partial_pass(
             sum += sums[(w * G + g) * DV + d] * weight;
             total += totals[w * G + g] * weight;
         }
+        // The split's row of `partial`: its DV sums, then its maximum and total.
         const long long row = ((long long)b * q_heads + h * G + g) * splits + split;
-        partial[row * DV + d] = sum;
+        partial[row * (DV + 2) + d] = sum;
         if (d == 0) {
-            stats[row * 2] = top;
-            stats[row * 2 + 1] = total;
+            partial[row * (DV + 2) + DV] = top;
+            partial[row * (DV + 2) + DV + 1] = total;
         }
     }
 }
@@ -989,7 +991,7 @@ __device__ __forceinline__ void record_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const uint8_t* record, const Shape& record_shape, const Strides& record_strides,
     const float* table, const int* rows, const int* slot_row,
-    const uint8_t* new_record, const Strides& new_record_strides, float* partial, float* stats) {
+    const uint8_t* new_record, const Strides& new_record_strides, float* partial) {
     // One strides type for every argument of partial_pass: the queries' in elements too.
     const AxisStrides q = element_strides<1>(queries_strides);
     const AxisStrides kc = element_strides<sizeof(KC)>(record_strides);
@@ -1012,7 +1014,7 @@ __device__ __forceinline__ void record_pass(
         record_field<KS>(new_record, OFF_KS), new_ks, record_field<KS>(new_record, OFF_KB),
         record_field<VC>(new_record, OFF_VC), new_vc,
         record_field<VS>(new_record, OFF_VS), new_vs, record_field<VS>(new_record, OFF_VB),
-        partial, stats);
+        partial);
 }
 
 // Pass 2 of one block (b, query head blockIdx.x), PARTS * DV threads: merge the splits and,
@@ -1023,13 +1025,14 @@ __device__ __forceinline__ void record_pass(
 template <int DV, int PARTS, int MAX_SPLITS, bool ROTATED, typename OT, int INV_SQRT_BITS,
           typename Shape>
 __device__ __forceinline__ void merge_pass(
-    const float* partial, const float* stats, const Shape& stats_shape, const float* signs,
+    const float* partial, const Shape& partial_shape, const float* signs,
     OT* out) {
     const int d = threadIdx.x % DV;
     const int part = threadIdx.x / DV;
     const long long row = blockIdx.x;
-    const int splits = stats_shape[1];
-    const float* row_stats = stats + row * splits * 2;
+    const int splits = partial_shape[1];
+    // Split s's row: its DV sums, then its maximum and total (partial_pass).
+    const float* row_partials = partial + row * splits * (DV + 2);
     __shared__ float weight[MAX_SPLITS];
     __shared__ float split_totals[MAX_SPLITS];
     __shared__ float part_sums[PARTS][DV];
@@ -1046,8 +1049,8 @@ __device__ __forceinline__ void merge_pass(
         #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int s = threadIdx.x + 32 * i;
-            maxima[i] = s < splits ? row_stats[2 * s] : NEG_INF;
-            totals[i] = s < splits ? row_stats[2 * s + 1] : 0.0f;
+            maxima[i] = s < splits ? row_partials[s * (DV + 2) + DV] : NEG_INF;
+            totals[i] = s < splits ? row_partials[s * (DV + 2) + DV + 1] : 0.0f;
             top = fmaxf(top, maxima[i]);
         }
         #pragma unroll
@@ -1068,7 +1071,7 @@ __device__ __forceinline__ void merge_pass(
     #pragma unroll 4
     for (int s = part; s < splits; s += PARTS) {
         const float w = weight[s];
-        const float x = partial[(row * splits + s) * DV + d];
+        const float x = row_partials[s * (DV + 2) + d];
         if (!(w < 0.0f)) {
             sum += x * w;
             total += split_totals[s] * w;
