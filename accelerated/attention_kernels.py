@@ -654,7 +654,21 @@ def _read_launch(
     )
 
 
+class KernelGeneration:
+    """Counts the clearings of KERNEL_CACHES, so that launches kept outside this module (a
+    storage's reads: caches.reads.ReadLaunches) are made anew after one, as those here are."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def cache_clear(self) -> None:
+        self.count += 1
+
+
+#: The clearings of KERNEL_CACHES so far.
+KERNELS_MADE = KernelGeneration()
+
 #: What this module keeps made (kernel objects, the plans they are made from, the reads'
-#: launches): a tool that builds the kernels from other sources or shapes, or a test that
-#: stands in for them, clears these.
-KERNEL_CACHES = (_partial_kernel, _merge_kernel, _plan, _read_launch)
+#: launches, and the count that drops the launches storages keep): a tool that builds the
+#: kernels from other sources or shapes, or a test that stands in for them, clears these.
+KERNEL_CACHES = (_partial_kernel, _merge_kernel, _plan, _read_launch, KERNELS_MADE)

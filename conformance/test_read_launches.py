@@ -156,3 +156,22 @@ def test_a_read_off_cuda_launches_no_kernel(backend: Backend) -> None:
         with mock.patch.object(attention_kernels, "on_cuda", lambda: False):
             assert launched(launches, lambda: mx.eval(read.attend(queries, SCALE))) == []
         assert launched(launches, lambda: read.attend(queries, SCALE))
+
+
+def test_a_read_launches_kernels_made_after_the_caches_are_cleared(backend: Backend) -> None:
+    """READ-7 on MLX: once the kernels' caches are cleared (tools/kernel_ab.py's other
+    sources, tools/launch_shapes.py's shapes, another set of stand-ins), a read made before
+    launches kernels made after, not the ones its storage kept."""
+    import mlx.core as mx
+
+    from kvspec.conformance.stand_ins import cuda_path
+
+    mlx_only(backend)
+    with cuda_path() as first:
+        read = kv_cache_read(backend)
+        queries = mx.ones((1, 4, 1, 64), mx.bfloat16)
+        kept = launched(first, lambda: read.attend(queries, SCALE))
+        assert kept
+        with cuda_path() as second:
+            assert launched(second, lambda: read.attend(queries, SCALE)) == kept
+            assert launched(first, lambda: read.attend(queries, SCALE)) == []

@@ -412,6 +412,15 @@ CATALOGUE = (
         (f"{READ_LAUNCHES}::test_a_read_off_cuda_launches_no_kernel",),
     ),
     Mutant(
+        "mlx-read-launches-kept-after-clearing",
+        "accelerated/caches/reads.py",
+        "        if generation != self._generation:\n",
+        "        if False:\n",
+        "a storage's kept read launches outlive a clearing of the kernels' caches: a kernel A/B "
+        "times its first source's kernels under every source's name",
+        (f"{READ_LAUNCHES}::test_a_read_launches_kernels_made_after_the_caches_are_cleared",),
+    ),
+    Mutant(
         "mlx-kernel-constants-unnamed",
         "accelerated/cuda_source.py",
         '    return mx.fast.cuda_kernel(name=name + "".join(suffix), source=body, **options)\n',

@@ -133,7 +133,15 @@ class ReadLaunches:
     the host more than the rest of the read. Not copied with a storage: it holds no array,
     and what it holds depends only on what `serves` compares."""
 
-    __slots__ = ("_formats", "_launches", "_layout", "_record_format", "_rows_shape", "read_dtype")
+    __slots__ = (
+        "_formats",
+        "_generation",
+        "_launches",
+        "_layout",
+        "_record_format",
+        "_rows_shape",
+        "read_dtype",
+    )
 
     def __init__(self, stored: Stored, read_dtype: mx.Dtype, layout: KvLayout) -> None:
         self._formats = attention_kernels.stored_formats(stored)
@@ -142,6 +150,8 @@ class ReadLaunches:
         #: The format keys are read in (the layout's dtype; float32 for TurboQuant, TQC-2).
         self.read_dtype = read_dtype
         self._launches: dict[tuple, attention_kernels.ReadLaunch | None] = {}
+        #: The kernels' generation the launches were made in (KERNELS_MADE).
+        self._generation = attention_kernels.KERNELS_MADE.count
 
     def __copy__(self) -> ReadLaunches:
         return self
@@ -168,10 +178,16 @@ class ReadLaunches:
     ) -> attention_kernels.ReadLaunch | None:
         """`attention_kernels.read_launch` for these queries, their fit checked (READ-1:
         ValueError, at every call, for queries that do not fit); kept per query shape and
-        dtype, scale, body, count and slot. None where the kernels do not take the read,
-        asked anew whenever MLX's default device is not a CUDA GPU."""
+        dtype, scale, body, count and slot, until the kernels' caches are cleared
+        (KERNELS_MADE). None where the kernels do not take the read, asked anew whenever
+        MLX's default device is not a CUDA GPU."""
         if not attention_kernels.on_cuda():
             return None
+        generation = attention_kernels.KERNELS_MADE.count
+        if generation != self._generation:
+            # The kernel objects were dropped (other sources, shapes or stand-ins).
+            self._launches.clear()
+            self._generation = generation
         key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted)
         try:
             return self._launches[key]
