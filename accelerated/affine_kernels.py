@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from kvspec.accelerated.cuda_source import Constant, cuda_kernel, included
+from kvspec.accelerated.cuda_source import KERNELS_MADE, Constant, cuda_kernel, included
 from kvspec.accelerated.dtypes import dtype_name
 from kvspec.accelerated.records import RecordLayout
 from kvspec.reference.dtypes import QUIET_NAN_BITS
@@ -200,4 +200,4 @@ def _encode_launch(
 
 
 #: The kernel objects this module keeps made (as attention_kernels.KERNEL_CACHES).
-KERNEL_CACHES = (_kernel, _pair_kernel, _record_kernel, _encode_launch)
+KERNEL_CACHES = (_kernel, _pair_kernel, _record_kernel, _encode_launch, KERNELS_MADE)

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from kvspec.accelerated.cuda_source import Constant, cuda_kernel, included
+from kvspec.accelerated.cuda_source import KERNELS_MADE, Constant, cuda_kernel, included
 from kvspec.accelerated.device import cuda_available
 from kvspec.accelerated.turboquant_kernels import CODEBOOK, SIGNS, constants_header
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
@@ -654,21 +654,8 @@ def _read_launch(
     )
 
 
-class KernelGeneration:
-    """Counts the clearings of KERNEL_CACHES, so that launches kept outside this module (a
-    storage's reads: caches.reads.ReadLaunches) are made anew after one, as those here are."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def cache_clear(self) -> None:
-        self.count += 1
-
-
-#: The clearings of KERNEL_CACHES so far.
-KERNELS_MADE = KernelGeneration()
-
 #: What this module keeps made (kernel objects, the plans they are made from, the reads'
-#: launches, and the count that drops the launches storages keep): a tool that builds the
-#: kernels from other sources or shapes, or a test that stands in for them, clears these.
+#: launches, and the count that drops what storages keep made: KERNELS_MADE): a tool that
+#: builds the kernels from other sources or shapes, or a test that stands in for them,
+#: clears these.
 KERNEL_CACHES = (_partial_kernel, _merge_kernel, _plan, _read_launch, KERNELS_MADE)

@@ -23,6 +23,24 @@ import numpy as np
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 
 
+class KernelGeneration:
+    """Counts the clearings of the kernel modules' caches (each module's KERNEL_CACHES holds
+    it), so that what a storage keeps made outside them (its reads' launches:
+    caches.reads.ReadLaunches; its planned append's encode: caches.planned.PlannedAppend)
+    is made anew after one, as the modules' own are: a tool that builds the kernels from
+    other sources or shapes, or a test that stands in for them, launches only those."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def cache_clear(self) -> None:
+        self.count += 1
+
+
+#: The clearings of the kernel modules' caches so far.
+KERNELS_MADE = KernelGeneration()
+
+
 @cache
 def included(name: str) -> str:
     """A kernel header that includes `name` of CUDA_DIR by its absolute path (NVRTC reads

@@ -25,7 +25,7 @@ from functools import cache, lru_cache
 import mlx.core as mx
 
 from kvspec.accelerated.affine_kernels import EncodeLaunch
-from kvspec.accelerated.cuda_source import cuda_kernel, device_array, included
+from kvspec.accelerated.cuda_source import KERNELS_MADE, cuda_kernel, device_array, included
 from kvspec.accelerated.records import RecordLayout
 from kvspec.reference import turboquant as reference
 from kvspec.reference.turboquant import DEFERRED_CHECKS
@@ -187,4 +187,4 @@ def encode_launch(
 
 
 #: The kernel objects this module keeps made (as attention_kernels.KERNEL_CACHES).
-KERNEL_CACHES = (_kernel, _encode_kernel, encode_launch)
+KERNEL_CACHES = (_kernel, _encode_kernel, encode_launch, KERNELS_MADE)

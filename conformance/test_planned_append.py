@@ -199,3 +199,28 @@ def test_a_planned_append_launches_what_a_checked_append_launches(
             assert planned.offset == checked.offset and shapes[0] == shapes[1]
     # The window and the first decode append went the checked path; the twin's, all six.
     assert [went_checked.count(cache) for cache in (planned, checked)] == [2, 6]
+
+
+@pytest.mark.parametrize("kind", ["QuantizedKVCache 4-bit g64", "TurboQuantKVCache k8v4"])
+def test_a_planned_append_launches_kernels_made_after_the_caches_are_cleared(
+    backend: Backend, kind: str
+) -> None:
+    """On the CUDA path (kernels stood in): once the kernels' caches are cleared (another
+    set of stand-ins, tools' other sources), a storage's next append launches an encode
+    made after, not the one its plan kept, and stores what it returns."""
+    import mlx.core as mx
+
+    from kvspec.conformance.stand_ins import cuda_path
+
+    mlx_only(backend)
+    row = mx.ones((1, 2, 1, 128), mx.bfloat16)
+    with cuda_path() as first:
+        cache = KINDS[kind](backend.module("caches"))
+        for _ in range(3):
+            cache.append_decode(row, row)
+        assert cache._planned_append is not None
+        with cuda_path() as second:
+            first.calls.clear()
+            cache.append_decode(row, row)
+            assert first.calls == []
+            assert second.calls, "the append's encode is made anew and launched"

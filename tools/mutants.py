@@ -339,6 +339,15 @@ CATALOGUE = (
         (f"{PLANNED}::test_an_append_the_plan_does_not_take_is_checked",),
     ),
     Mutant(
+        "mlx-planned-append-kept-after-clearing",
+        "accelerated/caches/planned.py",
+        "            and self.generation == KERNELS_MADE.count\n",
+        "",
+        "a storage's planned append outlives a clearing of the kernels' caches: it launches an "
+        "encode made before (another source's, other stand-ins')",
+        (f"{PLANNED}::test_a_planned_append_launches_kernels_made_after_the_caches_are_cleared",),
+    ),
+    Mutant(
         "mlx-planned-append-never-taken",
         "accelerated/caches/reads.py",
         "        if planned is not None and planned.takes(self, k, v):\n",

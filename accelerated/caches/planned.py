@@ -12,6 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvspec.accelerated.cuda_source import KERNELS_MADE
 from kvspec.reference.caches.protocol import KvLayout
 from kvspec.reference.caches.storage import Fields
 
@@ -29,7 +30,7 @@ class PlannedAppend:
     storage whose layout changed) goes that path. The storage's own steps (growing, the
     ring's room, the write) run as always."""
 
-    __slots__ = ("dtype", "encode", "k_shape", "layout", "v_shape")
+    __slots__ = ("dtype", "encode", "generation", "k_shape", "layout", "v_shape")
 
     def __init__(self, k: mx.array, v: mx.array, layout: KvLayout, encode: Encoder) -> None:
         self.k_shape = k.shape
@@ -38,6 +39,8 @@ class PlannedAppend:
         #: The layout object the checked append gave the storage.
         self.layout = layout
         self.encode = encode
+        #: The kernels' generation the encode was made in (KERNELS_MADE).
+        self.generation = KERNELS_MADE.count
 
     def __copy__(self) -> PlannedAppend:
         return self
@@ -48,9 +51,11 @@ class PlannedAppend:
 
     def takes(self, storage: Any, k: mx.array, v: mx.array) -> bool:
         """Whether `k`, `v` are of the planned shapes and dtype and the storage still holds
-        the layout they were checked against (CACHE-2)."""
+        the layout they were checked against (CACHE-2), with the kernels the encode was made
+        with (none dropped since: KERNELS_MADE)."""
         return (
             storage._layout is self.layout
+            and self.generation == KERNELS_MADE.count
             and k.shape == self.k_shape
             and v.shape == self.v_shape
             and k.dtype == self.dtype

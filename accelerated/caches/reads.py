@@ -21,6 +21,7 @@ from kvspec.accelerated.caches import masks
 from kvspec.accelerated.caches.attention import attention, check_queries
 from kvspec.accelerated.caches.planned import Encoder, PlannedAppend
 from kvspec.accelerated.caches.protocol import KvLayout, Mask, Read
+from kvspec.accelerated.cuda_source import KERNELS_MADE
 from kvspec.accelerated.device import fused_kernels_enabled
 from kvspec.reference.caches import reads
 from kvspec.reference.caches.compiled import DecodePlan
@@ -151,7 +152,7 @@ class ReadLaunches:
         self.read_dtype = read_dtype
         self._launches: dict[tuple, attention_kernels.ReadLaunch | None] = {}
         #: The kernels' generation the launches were made in (KERNELS_MADE).
-        self._generation = attention_kernels.KERNELS_MADE.count
+        self._generation = KERNELS_MADE.count
 
     def __copy__(self) -> ReadLaunches:
         return self
@@ -183,7 +184,7 @@ class ReadLaunches:
         MLX's default device is not a CUDA GPU."""
         if not attention_kernels.on_cuda():
             return None
-        generation = attention_kernels.KERNELS_MADE.count
+        generation = KERNELS_MADE.count
         if generation != self._generation:
             # The kernel objects were dropped (other sources, shapes or stand-ins).
             self._launches.clear()
