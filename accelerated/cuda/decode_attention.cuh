@@ -698,11 +698,14 @@ __device__ __forceinline__ void partial_pass(
         // loads as the other variants do, for one warp-wide test a chunk.
         const int slot_chunk =
             SLOT && written >= start && written < end ? (written - start) / 8 : -1;
-        auto load_rows = [&](auto slot_rows, int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
+        // A whole chunk (WHOLE_ROWS) loads every row without testing it against the end.
+        auto load_rows = [&](auto slot_rows, auto whole_rows, int c, KeyRow& key, ValueRow& v0,
+                             ValueRow& v1) {
             constexpr bool SLOT_ROWS = decltype(slot_rows)::value;
+            constexpr bool WHOLE_ROWS = decltype(whole_rows)::value;
             const int tk = start + 8 * c + row;
             const int tv = start + 8 * c + 2 * col;
-            if (tk < end) {
+            if (WHOLE_ROWS || tk < end) {
                 if (SLOT_ROWS && tk == written) {
                     load_key(key, tk, col);
                 } else {
@@ -712,7 +715,7 @@ __device__ __forceinline__ void partial_pass(
             #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 ValueRow& value = i == 0 ? v0 : v1;
-                if (tv + i < end) {
+                if (WHOLE_ROWS || tv + i < end) {
                     if (SLOT_ROWS && tv + i == written) {
                         load_value(value, tv + i, row);
                     } else {
@@ -736,9 +739,11 @@ __device__ __forceinline__ void partial_pass(
         };
         auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
             if (SLOT && c == slot_chunk) {
-                load_rows(Choice<true>(), c, key, v0, v1);
+                load_rows(Choice<true>(), Choice<false>(), c, key, v0, v1);
+            } else if (c < whole_chunks) {
+                load_rows(Choice<false>(), Choice<true>(), c, key, v0, v1);
             } else {
-                load_rows(Choice<false>(), c, key, v0, v1);
+                load_rows(Choice<false>(), Choice<false>(), c, key, v0, v1);
             }
         };
         auto attend_chunk = [&](auto whole, int c, const KeyRow& key, const ValueRow& v0,
