@@ -8,11 +8,14 @@ query the output of the one before, as a model runs them).
 A kernel change is timed so before it lands (docs/performance.md): its sources and main's
 side by side in one process, on the same caches and the same machine's moment, which two
 bench runs minutes apart are not. Outputs are compared too: the largest difference from the
-first source's (0 where a change keeps every operation).
+first source's (0 where a change keeps every operation). A source named twice (main's files
+under a second name) shows how far the turns alone move a row: a change that moves its rows
+less than that has not been measured.
 
     python tools/kernel_ab.py main=/path/to/main/accelerated/cuda new=accelerated/cuda
     python tools/kernel_ab.py main=DIR new=DIR --contexts 4096 131072 --kinds Quantized
     python tools/kernel_ab.py main=DIR new=DIR --step chained --contexts 4096 32768
+    python tools/kernel_ab.py main=DIR new=DIR main2=DIR   # main twice: the turns' spread
     python tools/kernel_ab.py a=accelerated/cuda b=accelerated/cuda --quick   # CPU smoke run
 
 Only the decode-attention kernels' file (`decode_attention.cuh`) matters to the reads timed
