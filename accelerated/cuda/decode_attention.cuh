@@ -503,10 +503,9 @@ constexpr bool SAME_TYPE<A, A> = true;
 // row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields.
 // Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV partial
 // sums, then the split's maximum and sum (one array, so that the merge takes one input).
-// The softmax scale is a template
-// constant (its float32 bits): one compile per model, no per-step upload. Two bodies share
-// the block's setup and its final merge of the warps: on tensor cores (MMA: MMA over 8
-// positions at a time) and on CUDA cores (lanes over elements).
+// The softmax scale is a template constant (its float32 bits): one compile per model, no
+// per-step upload. Two bodies share the block's setup and its final merge of the warps: on
+// tensor cores (MMA: MMA over 8 positions at a time) and on CUDA cores (lanes over elements).
 template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
           typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
           int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
@@ -1041,8 +1040,7 @@ __device__ __forceinline__ void record_pass(
 template <int DV, int PARTS, int MAX_SPLITS, bool ROTATED, typename OT, int INV_SQRT_BITS,
           typename Shape>
 __device__ __forceinline__ void merge_pass(
-    const float* partial, const Shape& partial_shape, const float* signs,
-    OT* out) {
+    const float* partial, const Shape& partial_shape, const float* signs, OT* out) {
     const int d = threadIdx.x % DV;
     const int part = threadIdx.x / DV;
     const long long row = blockIdx.x;
