@@ -427,7 +427,10 @@ CATALOGUE = (
         "        if False:\n",
         "a storage's kept read launches outlive a clearing of the kernels' caches: a kernel A/B "
         "times its first source's kernels under every source's name",
-        (f"{READ_LAUNCHES}::test_a_read_launches_kernels_made_after_the_caches_are_cleared",),
+        (
+            f"{READ_LAUNCHES}::test_a_read_launches_kernels_made_after_the_caches_are_cleared",
+            "tools/test_kernel_ab.py::test_each_sources_reads_launch_that_sources_kernels",
+        ),
     ),
     Mutant(
         "mlx-kernel-constants-unnamed",

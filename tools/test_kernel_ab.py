@@ -96,3 +96,31 @@ def test_a_step_run_stays_within_one_window_step(
         kernel_ab.main([f"a={a}", "--step", "compiled", *options])
     assert exit_info.value.code == 2
     assert "multiples of 32" in capsys.readouterr().err
+
+
+def test_each_sources_reads_launch_that_sources_kernels(tmp_path: Path) -> None:
+    """On the CUDA path (kernels stood in): under each source the reads launch decode
+    kernels made from that source's files, not the ones the reads made under the first."""
+    import mlx.core as mx
+
+    from kvspec.conformance.stand_ins import cuda_path, kernels_made_by
+
+    a, b = (_copy_of_the_sources(tmp_path, name) for name in "ab")
+    launched: list[str] = []
+
+    def make(name: str, input_names, output_names, source: str, header: str = "", **_):
+        def launch(*, inputs, output_shapes, output_dtypes, **options):
+            if name.startswith("kvspec_decode_attention"):
+                launched.append(header)
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+        return launch
+
+    original = cuda_source.CUDA_DIR
+    try:
+        with cuda_path(), kernels_made_by(make):
+            kernel_ab.kind_rows("KVCache", 64, [("a", a), ("b", b)], layers=2, turns=2)
+    finally:
+        kernel_ab.use_sources(original)
+    for directory in (a, b):
+        assert any(str(directory) in header for header in launched), directory
