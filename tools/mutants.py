@@ -430,6 +430,7 @@ CATALOGUE = (
         (
             f"{READ_LAUNCHES}::test_a_read_launches_kernels_made_after_the_caches_are_cleared",
             "tools/test_kernel_ab.py::test_each_sources_reads_launch_that_sources_kernels",
+            "tools/test_launch_shapes.py::test_each_shape_launches_its_own_grid",
         ),
     ),
     Mutant(

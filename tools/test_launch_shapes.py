@@ -1,5 +1,6 @@
-"""tools/launch_shapes.py: shapes parse as WARPS/BLOCKS/SPLITS, and where MLX has no CUDA
-device the tool refuses (the kernels it times run on CUDA only)."""
+"""tools/launch_shapes.py: shapes parse as WARPS/BLOCKS/SPLITS, where MLX has no CUDA device
+the tool refuses (the kernels it times run on CUDA only), and on the CUDA path (kernels
+stood in) the reads it times launch each shape's grid."""
 
 from __future__ import annotations
 
@@ -23,3 +24,40 @@ def test_refuses_without_cuda(capsys) -> None:
         launch_shapes.main(["--contexts", "64"])
     assert exit_info.value.code == 2
     assert "CUDA only" in capsys.readouterr().err
+
+
+def test_each_shape_launches_its_own_grid() -> None:
+    """On the CUDA path (kernels stood in): the same reads, timed under each shape, launch
+    pass 1 with that shape's threads and splits, not with the first shape's."""
+    from kvspec.accelerated import attention_kernels
+    from kvspec.conformance.stand_ins import cuda_path, kernels_made_by
+
+    launched: set[tuple[int, int]] = set()
+
+    def make(name: str, input_names, output_names, source: str, header: str = "", **_):
+        def launch(*, inputs, output_shapes, output_dtypes, grid, threadgroup, **options):
+            if name.startswith("kvspec_decode_attention"):
+                threads = threadgroup[0]
+                launched.add((threads // 32, grid[0] // threads))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+        return launch
+
+    shapes = [(4, 528, 128), (8, 264, 128), (2, 66, 4)]
+    default = (
+        attention_kernels.WARPS,
+        attention_kernels.TARGET_BLOCKS,
+        attention_kernels.MAX_SPLITS,
+    )
+    k = mx.zeros((1, 2, 300, 128), mx.bfloat16)
+    new = mx.zeros((1, 2, 1, 128), mx.bfloat16)
+    q = mx.zeros((1, 4, 1, 128), mx.bfloat16)
+    try:
+        with cuda_path(), kernels_made_by(make):
+            launch_shapes.format_times(launch_shapes.FORMATS["bf16"], k, new, q, shapes, 1)
+    finally:
+        launch_shapes.use_shape(default)
+    # Warps a block and splits a head, planned for the buffers' 512 rows (300 and the room
+    # they grew by): 8 splits of MIN_SPLIT 64 where the shape allows them, 4 where it
+    # allows no more.
+    assert launched == {(4, 8), (8, 8), (2, 4)}
