@@ -51,7 +51,6 @@ def cuda_path() -> Iterator[Launches]:
     """The CUDA path with stand-in kernels, for the time of the block; yields its Launches.
     Every cache of kernel objects is emptied before and after, so that no kernel made by
     a real launch, or by another block's stand-in, is launched in its place."""
-    import mlx.core as mx
 
     from kvspec.accelerated import (
         affine,
@@ -91,10 +90,7 @@ def cuda_path() -> Iterator[Launches]:
                     tuple(output_dtypes),
                 ),
             )
-            outputs = [
-                mx.zeros(shape, dtype)
-                for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
-            ]
+            outputs = zero_outputs(output_shapes, output_dtypes)
             launches.outputs.extend(outputs)
             return outputs
 
@@ -107,6 +103,15 @@ def cuda_path() -> Iterator[Launches]:
         patches.enter_context(mock.patch.object(affine, "_default_encoder", lambda: "cuda"))
         patches.enter_context(mock.patch.object(attention_kernels, "on_cuda", lambda: True))
         yield launches
+
+
+def zero_outputs(output_shapes: list, output_dtypes: list) -> list[mx.array]:
+    """A stand-in launch's outputs: zeros of the shapes and dtypes the launch asks for."""
+    import mlx.core as mx
+
+    return [
+        mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)
+    ]
 
 
 @contextmanager

@@ -30,7 +30,7 @@ def test_each_shape_launches_its_own_grid() -> None:
     """On the CUDA path (kernels stood in): the same reads, timed under each shape, launch
     pass 1 with that shape's threads and splits, not with the first shape's."""
     from kvspec.accelerated import attention_kernels
-    from kvspec.conformance.stand_ins import cuda_path, kernels_made_by
+    from kvspec.conformance.stand_ins import cuda_path, kernels_made_by, zero_outputs
 
     launched: set[tuple[int, int]] = set()
 
@@ -39,7 +39,7 @@ def test_each_shape_launches_its_own_grid() -> None:
             if name.startswith("kvspec_decode_attention"):
                 threads = threadgroup[0]
                 launched.add((threads // 32, grid[0] // threads))
-            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+            return zero_outputs(output_shapes, output_dtypes)
 
         return launch
 
