@@ -59,6 +59,7 @@ MASKS = "conformance/test_masks.py"
 CONVERSIONS = "conformance/test_conversions.py"
 DECODE = "conformance/test_decode_step.py"
 STEP_OPS = "conformance/test_step_ops.py"
+COUNTING = "conformance/test_counting_table.py"
 CUDA_SOURCE = "conformance/test_cuda_source.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
@@ -316,7 +317,7 @@ CATALOGUE = (
     Mutant(
         "mlx-step-scalars-per-layer",
         "accelerated/caches/reads.py",
-        "        return int32_single(value)\n",
+        "        return COUNTS.single(value)\n",
         "        return mx.array([value], dtype=mx.int32)\n",
         "the compiled step makes its write position and active length once per layer, as "
         "arrays MLX hands the device one by one (COMPILE-3)",
@@ -367,9 +368,9 @@ CATALOGUE = (
     ),
     Mutant(
         "mlx-step-scalars-reshaped-per-layer",
-        "accelerated/caches/reads.py",
-        "    return mx.array([value], dtype=mx.int32)\n",
-        "    return mx.array(value, dtype=mx.int32)\n",
+        "accelerated/caches/counting.py",
+        "            value: table[value : value + 1]\n",
+        "            value: table[value]\n",
         "the compiled step's write position and active length are int32 scalars, which its "
         "graph reshapes for the kernels once per layer (COMPILE-3)",
         (f"{STEP_OPS}::test_a_compiled_step_hands_its_kernels_the_inputs_as_given",),
@@ -377,12 +378,42 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "        return StoredRead(stored, self._launches(stored), decoded, int32_single(rows))\n",
+        "        return StoredRead(stored, self._launches(stored), decoded, COUNTS.single(rows))\n",
         "        return StoredRead(stored, self._launches(stored), decoded, "
         "mx.array([rows], dtype=mx.int32))\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
         (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
+    ),
+    Mutant(
+        "mlx-count-from-host-data",
+        "accelerated/caches/counting.py",
+        "            value: table[value : value + 1]\n",
+        "            value: mx.array([value], dtype=mx.int32)\n",
+        "a decode step's counts are arrays of their own, made from host data, which MLX keeps "
+        "in host memory: every read's blocks fetch them across the bus (READ-7)",
+        (f"{COUNTING}::test_a_count_is_a_view_of_the_table_shared_by_its_callers",),
+    ),
+    Mutant(
+        "mlx-counting-table-waited-for",
+        "accelerated/caches/counting.py",
+        "        mx.async_eval(*views.values())\n",
+        "        mx.eval(*views.values())\n",
+        "making a block of counts waits for the device, a synchronisation in the decode "
+        "step every 64 steps (READ-7)",
+        (f"{COUNTING}::test_making_counts_never_waits_for_the_device",),
+    ),
+    Mutant(
+        "mlx-count-views-in-the-step",
+        "accelerated/caches/counting.py",
+        "        mx.async_eval(*views.values())\n",
+        "",
+        "the counts' views are left to the step that reads them: one more op in its graph "
+        "(READ-7, COMPILE-3)",
+        (
+            f"{COUNTING}::test_counts_ahead_are_made_and_evaluated_with_the_first",
+            f"{STEP_OPS}::test_a_decode_step_hands_mlx_its_budget_of_ops",
+        ),
     ),
     Mutant(
         "mlx-read-launches-any-layout",

@@ -10,7 +10,6 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from types import ModuleType
 
 import mlx.core as mx
@@ -19,6 +18,7 @@ from kvspec.accelerated import attention_kernels, dtypes
 from kvspec.accelerated.attention_kernels import PLAIN, Stored, StoredSide
 from kvspec.accelerated.caches import masks
 from kvspec.accelerated.caches.attention import attention, check_queries
+from kvspec.accelerated.caches.counting import COUNTS
 from kvspec.accelerated.caches.planned import Encoder, PlannedAppend
 from kvspec.accelerated.caches.protocol import KvLayout, Mask, Read
 from kvspec.accelerated.cuda_source import KERNELS_MADE
@@ -250,7 +250,7 @@ class ReadMethods(reads.ReadMethods):
             return self._read_of(tuple(field[:, :, :rows] for field in fields))
 
         stored = self._stored_rows(fields)
-        return StoredRead(stored, self._launches(stored), decoded, int32_single(rows))
+        return StoredRead(stored, self._launches(stored), decoded, COUNTS.single(rows))
 
     #: The launches of this storage's last read configuration (`_launches`).
     _read_launches: ReadLaunches | None = None
@@ -335,8 +335,9 @@ class ReadMethods(reads.ReadMethods):
         """COMPILE-3 on MLX: one array per value, shared by every cache of a step (arrays are
         values), so that a step over many layers hands the device its write position and
         active length once, not once per layer; int32 [1], as the kernels take them, so
-        that the graph holds no reshape of them per layer."""
-        return int32_single(value)
+        that the graph holds no reshape of them per layer; views of a table in device memory
+        (CountingTable), which the kernels read without crossing the bus."""
+        return COUNTS.single(value)
 
     #: The plan of the last append that went the checked path (accelerated/caches/planned.py).
     _planned_append: PlannedAppend | None = None
@@ -393,13 +394,6 @@ def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:
         field[:, :, start : start + part.shape[2]] = part
         written.append(field)
     return tuple(written)
-
-
-@lru_cache(maxsize=8)
-def int32_single(value: int) -> mx.array:
-    """`value` as int32 [1], the form the kernels take a row count or a write row in, made
-    once while it is among the last few asked for: the caches of one step share it."""
-    return mx.array([value], dtype=mx.int32)
 
 
 def running(storage: ReadMethods) -> mx.array | None:
