@@ -173,8 +173,10 @@ def _encode_launch(
     layout: RecordLayout | None,
 ) -> EncodeLaunch:
     """The kernel of `kind` and its grid, block and outputs for tensors of `shape` and
-    `dtype` (a record's with `layout`)."""
+    `dtype` (a record's with `layout`); a shape of no rows is refused (ValueError)."""
     *lead, D = shape
+    if math.prod(shape) == 0:
+        raise ValueError(f"an encode of shape {shape} has no rows: nothing to launch")
     count = 1 if kind == _ONE else 2
     n_groups = count * (math.prod(shape) // group_size)
     # Whole warps (the shuffles take every lane; threads past the last group write nothing).

@@ -378,9 +378,14 @@ def stored_layout(k_bits: int, v_bits: int, head_dim: int) -> RecordLayout:
 def encode_record_deferred(
     k: mx.array, v: mx.array, k_bits: int, v_bits: int, prior: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
-    """`encode_deferred` on CUDA (fused_kernels_enabled, keys and values not empty): the
-    five fields as one record uint8 [B, H, L, row_bytes] of `stored_layout`, and the
-    failure rank, from one launch."""
+    """`encode_deferred` on CUDA (fused_kernels_enabled): the five fields as one record
+    uint8 [B, H, L, row_bytes] of `stored_layout`, and the failure rank, from one launch;
+    no positions (L = 0) launch nothing: an empty record, and the prior rank kept."""
+    if k.size == 0:
+        _check_encode_layout(k, v, k_bits, v_bits)
+        layout = stored_layout(k_bits, v_bits, k.shape[-1])
+        record = mx.zeros((*k.shape[:-1], layout.row_bytes), mx.uint8)
+        return record, no_failure() if prior is None else prior
     record, failure = record_encoder(k, v, k_bits, v_bits)(k, v, prior=prior)
     return record, failure
 

@@ -166,9 +166,12 @@ def encode_launch(
     the caller (turboquant.record_encoder). Groups that fail are stored as DEFER-1 says.
     Rows of 1024 coordinates or fewer (a decode step's) take one block; more take blocks of
     at most 1024 coordinates (the kernel's shared buffers) and 256 threads, at least one
-    row, whose ranks are folded by one more op."""
+    row, whose ranks are folded by one more op. A shape of no rows is refused (ValueError):
+    there is no launch of nothing."""
     B, H, L, D = shape
     rows = B * H * L
+    if rows == 0:
+        raise ValueError(f"an encode of shape {shape} has no rows: nothing to launch")
     threads = D // ELEMENTS_PER_THREAD
     one_block = rows * D <= _ONE_BLOCK_ELEMENTS
     # The block's rows fill its shared buffers at most.

@@ -698,6 +698,15 @@ def picks(text: str, name: str) -> bool:
     return name == text if text in KINDS else text in name
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number of 1 or more (contexts, layers, repeats, positions:
+    none of them can be 0)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def add_kinds_option(parser: argparse.ArgumentParser, default: Sequence[str]) -> None:
     """The --kinds option of the tools that time or build a few of the bench's kinds."""
     parser.add_argument(
@@ -723,11 +732,11 @@ def picked_kinds(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 131072]
+        "--contexts", type=at_least_one, nargs="+", default=[1024, 4096, 16384, 32768, 131072]
     )
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--encode-positions", type=int, default=32768)
+    parser.add_argument("--layers", type=at_least_one, default=32)
+    parser.add_argument("--repeats", type=at_least_one, default=15)
+    parser.add_argument("--encode-positions", type=at_least_one, default=32768)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument(

@@ -30,6 +30,7 @@ from bench import (
     KINDS,
     QUERY_HEADS,
     add_kinds_option,
+    at_least_one,
     median,
     picked_kinds,
     random_kv,
@@ -162,10 +163,10 @@ def print_rows(rows: Sequence[Row]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
     add_kinds_option(parser, DEFAULT_KINDS)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=15)
+    parser.add_argument("--layers", type=at_least_one, default=32)
+    parser.add_argument("--turns", type=at_least_one, default=15)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument(
         "--quick", action="store_true", help="tiny shapes, kernels stood in (CPU smoke run)"

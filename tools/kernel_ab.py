@@ -39,6 +39,7 @@ from bench import (
     KINDS,
     Row,
     add_kinds_option,
+    at_least_one,
     compiled_step,
     median,
     picked_kinds,
@@ -186,7 +187,7 @@ def step_rows(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", type=source, nargs="+", metavar="NAME=DIR")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[32768, 131072])
     add_kinds_option(parser, DEFAULT_KINDS)
     parser.add_argument(
         "--step",
@@ -196,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "step, layers independent; chained: the compiled step, each layer's query the "
         "output of the one before",
     )
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=9)
+    parser.add_argument("--layers", type=at_least_one, default=32)
+    parser.add_argument("--turns", type=at_least_one, default=9)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     args = parser.parse_args(argv)

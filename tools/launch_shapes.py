@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
-from bench import samples
+from bench import at_least_one, samples
 
 from kvspec.accelerated import attention_kernels, caches
 
@@ -79,11 +79,11 @@ def format_times(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[32768, 131072])
     parser.add_argument(
         "--shapes", type=shape, nargs="+", default=[shape(s) for s in DEFAULT_SHAPES]
     )
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=at_least_one, default=9)
     args = parser.parse_args(argv)
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         parser.error("the decode-attention kernels run on CUDA only; this device has none")

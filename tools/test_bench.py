@@ -93,6 +93,13 @@ def test_kinds_picks_kinds_by_name(tmp_path: Path) -> None:
         bench.main(["--quick", "--kinds", "no such kind"])
 
 
+@pytest.mark.parametrize("option", ["--contexts", "--layers", "--repeats", "--encode-positions"])
+def test_counts_of_zero_are_refused(option: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench.main([option, "0"])
+    assert "must be 1 or more, got 0" in capsys.readouterr().err
+
+
 def test_a_whole_name_picks_that_kind_alone() -> None:
     assert [name for name in bench.KINDS if bench.picks("KVCache", name)] == ["KVCache"]
     contained = [name for name in bench.KINDS if bench.picks("QuantizedKVCache 4-bit", name)]

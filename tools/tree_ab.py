@@ -33,6 +33,7 @@ from bench import (
     HEAD_DIM,
     KIND_FACTORIES,
     add_kinds_option,
+    at_least_one,
     chained_layer,
     compiled_step,
     median,
@@ -152,10 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="time this tree's steps beside a prepared version's")
     run.add_argument("other", type=Path, help="a folder `prepare` wrote (…/kvspec_NAME)")
     run.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
-    run.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    run.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
     add_kinds_option(run, DEFAULT_KINDS)
-    run.add_argument("--layers", type=int, default=32)
-    run.add_argument("--turns", type=int, default=21)
+    run.add_argument("--layers", type=at_least_one, default=32)
+    run.add_argument("--turns", type=at_least_one, default=21)
     run.add_argument("--json", help="write the rows to this file")
     run.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     args = parser.parse_args(argv)
