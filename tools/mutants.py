@@ -60,6 +60,7 @@ CONVERSIONS = "conformance/test_conversions.py"
 DECODE = "conformance/test_decode_step.py"
 STEP_OPS = "conformance/test_step_ops.py"
 COUNTING = "conformance/test_counting_table.py"
+EMPTY_ENCODES = "conformance/test_empty_encodes.py"
 CUDA_SOURCE = "conformance/test_cuda_source.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
@@ -393,6 +394,25 @@ CATALOGUE = (
         "a decode step's counts are arrays of their own, made from host data, which MLX keeps "
         "in host memory: every read's blocks fetch them across the bus (READ-7)",
         (f"{COUNTING}::test_a_count_is_a_view_of_the_table_shared_by_its_callers",),
+    ),
+    Mutant(
+        "mlx-empty-record-encode-launches",
+        "accelerated/turboquant.py",
+        "    if k.size == 0:\n        _check_encode_layout(k, v, k_bits, v_bits)\n",
+        "    if False:\n        _check_encode_layout(k, v, k_bits, v_bits)\n",
+        "a record encode of no positions asks for a launch of no rows, which cannot be made: "
+        "the encode fails where it should store nothing and keep the prior rank (TQ-10, "
+        "DEFER-3)",
+        (f"{EMPTY_ENCODES}::test_empty_turboquant_encodes_launch_nothing",),
+    ),
+    Mutant(
+        "mlx-no-rows-launch-unrefused",
+        "accelerated/turboquant_kernels.py",
+        '    if rows == 0:\n        raise ValueError(f"an encode of shape',
+        '    if rows < 0:\n        raise ValueError(f"an encode of shape',
+        "a TurboQuant encode launch asked for no rows divides by zero instead of refusing "
+        "with a clear error (TQ-10)",
+        (f"{EMPTY_ENCODES}::test_a_launch_of_no_rows_is_refused",),
     ),
     Mutant(
         "mlx-counting-table-waited-for",
