@@ -53,6 +53,25 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
     assert "plain read bandwidth" in capsys.readouterr().out
 
 
+def test_read_bandwidth_is_the_rate_of_the_bytes_twice_as_many_add(monkeypatch, capsys) -> None:
+    """Each plain read of 1 MiB and 2 MiB taking turns; the rate counts only the added
+    bytes over the added time, so that a fixed cost per evaluation is not reading."""
+    seconds = iter([(1.0, 1.5), (1.0, 1.25), (2.0, 2.0)])  # one set a plain read
+
+    def timed(runs, repeats, warmup=2):
+        assert len(runs) == 2
+        smaller, larger = next(seconds)
+        return [bench.Samples([smaller], [0.0], [0.0]), bench.Samples([larger], [0.0], [0.0])]
+
+    monkeypatch.setattr(bench, "samples", timed)
+    # 1 MiB added in 0.25 s by the second read; the third took no longer: not measured.
+    assert bench.read_bandwidth(1, 1) == pytest.approx(2**20 / 0.25)
+    assert "not measured" in capsys.readouterr().out
+    seconds = iter([(1.0, 1.0)] * 3)
+    with pytest.raises(RuntimeError, match="no bandwidth"):
+        bench.read_bandwidth(1, 1)
+
+
 def test_encode_rows_take_turns_with_their_copy(monkeypatch) -> None:
     """The copy and both encoders are timed in one set of turns, so that a busy machine slows
     them alike (timed one after the other, the encoders' ratios moved threefold between runs)."""
