@@ -183,3 +183,43 @@ def test_reads_of_one_record_layout_keep_their_own_formats(backend: Backend, rec
         read_formats.append(stored.record_format)
     assert read_formats[0].offsets == read_formats[1].offsets
     assert [f.keys[3:] for f in read_formats] == [(8, 32, 32), (4, 64, 64)]
+
+
+@pytest.mark.parametrize("kind", ["turboquant k8v4", "affine 4-bit g64", "affine ring 4-bit g64"])
+def test_a_decode_step_reads_a_records_rows_without_a_fields_view(
+    backend: Backend, records, kind: str
+) -> None:
+    """On the CUDA path (kernels stood in), an eager decode step and the compiled step's
+    plan take a record cache's rows from the record itself: a field's view of it is two
+    MLX ops of host time a layer and step that nothing reads (a ring asked for its rows
+    through field 0 at every step)."""
+    from unittest import mock
+
+    import mlx.core as mx
+
+    from kvspec.accelerated.caches import records as record_caches
+    from kvspec.conformance.stand_ins import cuda_path
+
+    row = mx.ones((1, 2, 1, 128), mx.bfloat16)
+    views = []
+
+    def counted(view: object) -> object:
+        def made(*args: object) -> object:
+            views.append(view)
+            return getattr(records, view)(*args)
+
+        return made
+
+    with cuda_path():
+        cache = RECORD_KINDS[kind](backend.module("caches"))
+        prefill = mx.ones((1, 2, 70, 128), mx.bfloat16)
+        cache.append_window(prefill, prefill)
+        for _ in range(3):
+            cache.append_decode(row, row)
+        with (
+            mock.patch.object(record_caches, "field_view", counted("field_view")),
+            mock.patch.object(record_caches, "unpacked", counted("unpacked")),
+        ):
+            cache.append_decode(row, row).attend(mx.ones((1, 4, 1, 128), mx.bfloat16), 1.0)
+            cache.prepare_decode_step()
+    assert views == []

@@ -61,6 +61,7 @@ DECODE = "conformance/test_decode_step.py"
 STEP_OPS = "conformance/test_step_ops.py"
 COUNTING = "conformance/test_counting_table.py"
 EMPTY_ENCODES = "conformance/test_empty_encodes.py"
+RECORDS_VIEWS = "test_a_decode_step_reads_a_records_rows_without_a_fields_view"
 CUDA_SOURCE = "conformance/test_cuda_source.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
@@ -394,6 +395,15 @@ CATALOGUE = (
         "a decode step's counts are arrays of their own, made from host data, which MLX keeps "
         "in host memory: every read's blocks fetch them across the bus (READ-7)",
         (f"{COUNTING}::test_a_count_is_a_view_of_the_table_shared_by_its_callers",),
+    ),
+    Mutant(
+        "ring-rows-through-a-field-view",
+        "reference/caches/rotating.py",
+        "        rows = self.length\n",
+        "        rows = 0 if fields is None else fields[0].shape[2]\n",
+        "a ring asks field 0 for its rows at every decode step: on MLX a record's field is a "
+        "view to make, two ops of host time a layer and step (RING-2, COMPILE-2)",
+        (f"{RECORDS}::{RECORDS_VIEWS}",),
     ),
     Mutant(
         "mlx-empty-record-encode-launches",

@@ -82,15 +82,18 @@ class RingStorage(FieldStorage):
 
     def _update_in_place(self, new: Fields) -> None:
         """RING-2."""
-        self._fields, self._index = self._ring_room(new)
+        self._fields, self._index, _ = self._ring_room(new)
         self._write_decoded(new, self._index)
 
-    def _ring_room(self, new: Fields) -> tuple[Fields, int]:
+    def _ring_room(self, new: Fields) -> tuple[Fields, int, int]:
         """RING-2 steps 1 .. 3 for one position of the widths and dtypes of `new`: the
-        buffers and the ring index to write at (the cache itself unchanged)."""
+        buffers, the ring index to write at and the rows the buffers hold (the cache itself
+        unchanged)."""
         prev = self.offset
         fields, index = self._fields, self._index
-        if fields is None or (prev >= self.length and self.length < self.max_size):
+        # The buffers' rows, read once (a field of a record is a view to make: accelerated).
+        rows = self.length
+        if fields is None or (prev >= rows and rows < self.max_size):
             # Grow by a step, never past max_size.
             size = min(STEP, self.max_size - prev)
             room = tuple(self.xp.zeros((*p.shape[:2], size, p.shape[3]), p.dtype) for p in new)
@@ -100,23 +103,25 @@ class RingStorage(FieldStorage):
                 fields = tuple(
                     self.xp.concatenate([f, r], axis=2) for f, r in zip(fields, room, strict=True)
                 )
+            rows = fields[0].shape[2]
             index = prev
-        excess = fields[0].shape[2] - self.max_size
+        excess = rows - self.max_size
         if excess > 0:
             # A multi-position update left more than max_size: drop the oldest after keep.
             fields = self._evicted(excess, fields)
+            rows = self.max_size
             index = self.max_size
         if index == self.max_size:
             index = self.keep
-        return fields, index
+        return fields, index, rows
 
     def _decode_room(self) -> DecodeRoom:
         """COMPILE-2, RING-2 steps 1 .. 3: the step writes row i and reads rows
         0 .. min(offset + 1, T) - 1, in ring order (RING-4)."""
         assert self._fields is not None
         # The fields stand for one new position: the room takes only their widths.
-        fields, index = self._ring_room(self._fields)
-        return DecodeRoom(DecodePlan(index, min(self.offset + 1, fields[0].shape[2])), fields)
+        fields, index, rows = self._ring_room(self._fields)
+        return DecodeRoom(DecodePlan(index, min(self.offset + 1, rows)), fields)
 
     def _write_decoded(self, new: Fields, position: int) -> None:
         """RING-2 step 4 at row `position`, the ring index steps 1 .. 3 chose."""
