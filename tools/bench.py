@@ -75,6 +75,14 @@ KIND_FACTORIES: dict[str, Callable[[Any, int], caches.Cache]] = {
         c.parse_scheme("turbo:k8v4"), 0, checks="deferred"
     ),
 }
+#: The kinds the performance issue's targets name: the tools that time or build a few kinds
+#: take these without --kinds.
+TARGET_KINDS = (
+    "KVCache",
+    "QuantizedKVCache 4-bit g64",
+    "QuantizedKVCache 8-bit g64",
+    "TurboQuantKVCache k8v4 dense",
+)
 #: The same factories over this package's caches: a name and a factory of T positions' room.
 KINDS: dict[str, Callable[[int], caches.Cache]] = {
     name: partial(factory, caches) for name, factory in KIND_FACTORIES.items()

@@ -40,19 +40,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from bench import KINDS, add_kinds_option, picked_kinds
+from bench import KINDS, TARGET_KINDS, add_kinds_option, picked_kinds
 
 from kvspec.accelerated.caches.compiled import compile_decode
 from kvspec.accelerated.cuda_source import cuda_type
 from kvspec.conformance.stand_ins import KernelCall, cuda_path
 
-#: The kinds built unless --kinds says otherwise: bench's step table.
-DEFAULT_KINDS = (
-    "KVCache",
-    "QuantizedKVCache 4-bit g64",
-    "QuantizedKVCache 8-bit g64",
-    "TurboQuantKVCache k8v4 dense",
-)
 #: Positions of the prefill (an encode of many positions) before the decode steps.
 PREFILL = 64
 #: What stands in for MLX's default header (`mlx/backend/cuda/device/utils.cuh`, config.h).
@@ -204,7 +197,7 @@ def build(call: KernelCall, arch: str, directory: Path, sass: bool = False) -> U
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_kinds_option(parser, DEFAULT_KINDS)
+    add_kinds_option(parser, TARGET_KINDS)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", default="sm_90a", help="nvcc's -arch (MLX's on an H200)")
     parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once")
@@ -217,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sass", action="store_true", help="each kernel's longest loop, from cuobjdump"
     )
     args = parser.parse_args(argv)
-    kinds = picked_kinds(parser, args.kinds, DEFAULT_KINDS)
+    kinds = picked_kinds(parser, args.kinds, TARGET_KINDS)
     if shutil.which("nvcc") is None:
         parser.error("nvcc is not on the PATH")
     if args.sass and shutil.which("cuobjdump") is None:

@@ -35,6 +35,7 @@ from bench import (
     KINDS,
     PLAIN_READS,
     QUERY_HEADS,
+    TARGET_KINDS,
     add_kinds_option,
     at_least_one,
     compiled_step,
@@ -44,13 +45,6 @@ from bench import (
     sdpa,
 )
 
-#: The kinds timed without --kinds.
-DEFAULT_KINDS = (
-    "KVCache",
-    "QuantizedKVCache 4-bit g64",
-    "QuantizedKVCache 8-bit g64",
-    "TurboQuantKVCache k8v4 dense",
-)
 #: Evaluations of each span; the first is left out of the medians.
 REPEATS = 4
 #: The plain reads' buffer: 1 GiB of float32.
@@ -253,7 +247,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not mx.cuda.is_available():
         parser.error("run times CUDA kernels: it needs MLX's CUDA backend")
     markers = Markers()
-    run_spans(picked_kinds(parser, args.kinds, DEFAULT_KINDS), args.contexts, markers)
+    run_spans(picked_kinds(parser, args.kinds, TARGET_KINDS), args.contexts, markers)
     with open(args.spans, "w") as f:
         json.dump([asdict(span) for span in markers.spans], f)
     print(f"{len(markers.spans)} spans written to {args.spans}")
@@ -280,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser = commands.add_parser("run", help="the spans, for ncu to time")
     run_parser.add_argument("spans", help="write what each span is to this JSON file")
     run_parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
-    add_kinds_option(run_parser, DEFAULT_KINDS)
+    add_kinds_option(run_parser, TARGET_KINDS)
     table_parser = commands.add_parser("table", help="ncu's log and the spans as a table")
     table_parser.add_argument("log", help="ncu's --csv --log-file")
     table_parser.add_argument("spans", help="the spans `run` wrote")

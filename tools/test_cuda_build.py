@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import bench
 import cuda_build
 import pytest
 
@@ -82,7 +83,7 @@ def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path
     assert cuda_build.main(["--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     passes = [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
-    assert len(passes) == 2 * len(cuda_build.DEFAULT_KINDS)  # eager and slot variants
+    assert len(passes) == 2 * len(bench.TARGET_KINDS)  # eager and slot variants
     limit = 65536 // (BLOCKS_PER_SM * WARPS * 32)
     assert all(row["registers"] <= limit for row in passes), passes
 
