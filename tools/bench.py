@@ -83,6 +83,9 @@ TARGET_KINDS = (
     "QuantizedKVCache 8-bit g64",
     "TurboQuantKVCache k8v4 dense",
 )
+#: The kinds the A/B and host tools (kernel_ab.py, tree_ab.py, host_floor.py) time without
+#: --kinds: one of each stored format of the targets but affine 8-bit, for shorter turns.
+AB_KINDS = ("TurboQuantKVCache k8v4 dense", "QuantizedKVCache 4-bit g64", "KVCache")
 #: The same factories over this package's caches: a name and a factory of T positions' room.
 KINDS: dict[str, Callable[[int], caches.Cache]] = {
     name: partial(factory, caches) for name, factory in KIND_FACTORIES.items()

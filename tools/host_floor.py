@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 from bench import (
+    AB_KINDS,
     HEAD_DIM,
     KINDS,
     QUERY_HEADS,
@@ -38,9 +39,6 @@ from bench import (
 )
 
 from kvspec.conformance.stand_ins import cuda_path, kernels_made_by
-
-#: The kinds timed without --kinds.
-DEFAULT_KINDS = ("TurboQuantKVCache k8v4 dense", "QuantizedKVCache 4-bit g64", "KVCache")
 
 
 @dataclass
@@ -164,7 +162,7 @@ def print_rows(rows: Sequence[Row]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
-    add_kinds_option(parser, DEFAULT_KINDS)
+    add_kinds_option(parser, AB_KINDS)
     parser.add_argument("--layers", type=at_least_one, default=32)
     parser.add_argument("--turns", type=at_least_one, default=15)
     parser.add_argument("--json", help="write the rows to this file")
@@ -172,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick", action="store_true", help="tiny shapes, kernels stood in (CPU smoke run)"
     )
     args = parser.parse_args(argv)
-    kinds = picked_kinds(parser, args.kinds, DEFAULT_KINDS)
+    kinds = picked_kinds(parser, args.kinds, AB_KINDS)
     contexts, layers, turns = args.contexts, args.layers, args.turns
     with ExitStack() as stack:
         if args.quick:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from bench import (
+    AB_KINDS,
     KINDS,
     Row,
     add_kinds_option,
@@ -57,9 +58,6 @@ from kvspec.accelerated import (
 )
 from kvspec.accelerated.caches.compiled import WINDOW_STEP
 
-#: The kinds read unless --kinds says otherwise (bench's names): a growable cache of each
-#: stored format the step table times.
-DEFAULT_KINDS = ("TurboQuantKVCache k8v4 dense", "QuantizedKVCache 4-bit g64", "KVCache")
 #: Each kernel module and the file its header includes.
 KERNEL_MODULES = (
     (attention_kernels, "decode_attention.cuh"),
@@ -188,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", type=source, nargs="+", metavar="NAME=DIR")
     parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[32768, 131072])
-    add_kinds_option(parser, DEFAULT_KINDS)
+    add_kinds_option(parser, AB_KINDS)
     parser.add_argument(
         "--step",
         choices=STEPS,
@@ -204,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len({name for name, _ in args.sources}) != len(args.sources):
         parser.error("each source needs a name of its own")
-    kinds = picked_kinds(parser, args.kinds, DEFAULT_KINDS)
+    kinds = picked_kinds(parser, args.kinds, AB_KINDS)
     if args.quick:
         args.contexts, args.layers, args.turns = [64, 96], 2, 2
     if args.step != "read" and (

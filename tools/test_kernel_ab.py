@@ -10,6 +10,7 @@ from pathlib import Path
 
 import kernel_ab
 import pytest
+from bench import AB_KINDS
 
 from kvspec.accelerated import attention_kernels, cuda_source
 
@@ -29,10 +30,7 @@ def test_quick_run_reads_every_kind_under_each_source(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert {(row["kind"], row["context"], row["source"]) for row in rows} == {
-        (kind, context, name)
-        for kind in kernel_ab.DEFAULT_KINDS
-        for context in (64, 96)
-        for name in "ab"
+        (kind, context, name) for kind in AB_KINDS for context in (64, 96) for name in "ab"
     }
     for row in rows:
         assert row["us"] > 0 and row["bytes_per_token"] > 0

@@ -30,6 +30,7 @@ from types import ModuleType
 
 import mlx.core as mx
 from bench import (
+    AB_KINDS,
     HEAD_DIM,
     KIND_FACTORIES,
     add_kinds_option,
@@ -47,8 +48,6 @@ from kvspec.accelerated.caches import compiled as this_compiled
 #: The packages of a version, by their folders in the tree.
 PACKAGES = ("reference", "accelerated", "conformance")
 ROOT = Path(__file__).resolve().parent.parent
-#: The kinds timed unless --kinds says otherwise (bench's names).
-DEFAULT_KINDS = ("TurboQuantKVCache k8v4 dense", "QuantizedKVCache 4-bit g64", "KVCache")
 #: What `run` times: each layer's eager step, the compiled step, the compiled step with each
 #: layer's query the output of the one before.
 STEPS = ("eager", "compiled", "chained")
@@ -154,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("other", type=Path, help="a folder `prepare` wrote (…/kvspec_NAME)")
     run.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     run.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
-    add_kinds_option(run, DEFAULT_KINDS)
+    add_kinds_option(run, AB_KINDS)
     run.add_argument("--layers", type=at_least_one, default=32)
     run.add_argument("--turns", type=at_least_one, default=21)
     run.add_argument("--json", help="write the rows to this file")
@@ -168,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not (args.other / "accelerated" / "caches" / "compiled.py").is_file():
         parser.error(f"{args.other} is not a version `prepare` wrote")
-    kinds = picked_kinds(run, args.kinds, DEFAULT_KINDS)
+    kinds = picked_kinds(run, args.kinds, AB_KINDS)
     if args.quick:
         args.contexts, args.layers, args.turns = [64], 2, 2
     versions = [("this", this_caches, this_compiled), load(args.other)]
