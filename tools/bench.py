@@ -35,6 +35,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from functools import partial
 from itertools import pairwise
@@ -742,6 +743,31 @@ def add_kinds_option(parser: argparse.ArgumentParser, default: Sequence[str]) ->
         help="bench's kinds whose names hold a TEXT (a whole name: that kind); by default "
         + ", ".join(default),
     )
+
+
+def add_turn_options(parser: argparse.ArgumentParser, default_kinds: Sequence[str]) -> None:
+    """The options of the tools that time a few of the bench's kinds taking turns at some
+    contexts (host_floor.py, step_ablation.py): --contexts, --kinds, --layers, --turns,
+    --json and --quick (`turn_shapes`)."""
+    parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
+    add_kinds_option(parser, default_kinds)
+    parser.add_argument("--layers", type=at_least_one, default=32)
+    parser.add_argument("--turns", type=at_least_one, default=15)
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes, kernels stood in (CPU smoke run)"
+    )
+
+
+def turn_shapes(args: argparse.Namespace, stack: ExitStack) -> tuple[list[int], int, int]:
+    """The contexts, layers and turns of `add_turn_options`' options; with --quick tiny ones,
+    and the CUDA path's kernels stood in for the time of `stack`."""
+    if not args.quick:
+        return args.contexts, args.layers, args.turns
+    from kvspec.conformance.stand_ins import cuda_path
+
+    stack.enter_context(cuda_path())
+    return [64], 2, 2
 
 
 def picked_kinds(

@@ -55,6 +55,10 @@ GPU_TESTS = (
         "conformance/test_records.py",
         "the records the CUDA encoders write and the kernels read (TQC-1, QKV-1)",
     ),
+    (
+        "conformance/test_counting_table.py",
+        "the counts the kernels read (READ-7, COMPILE-3): views of a table in device memory",
+    ),
     ("conformance/test_affine.py", "the CUDA affine encoder (AFF-9)"),
     ("conformance/test_edges.py", "ties, constant groups and float16 limits on the encoders"),
     ("conformance/test_compiled_step.py", "the compiled decode step (COMPILE-1 .. COMPILE-6)"),

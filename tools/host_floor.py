@@ -30,15 +30,15 @@ from bench import (
     HEAD_DIM,
     KINDS,
     QUERY_HEADS,
-    add_kinds_option,
-    at_least_one,
+    add_turn_options,
     median,
     picked_kinds,
     random_kv,
     samples,
+    turn_shapes,
 )
 
-from kvspec.conformance.stand_ins import cuda_path, kernels_made_by
+from kvspec.conformance.stand_ins import kernels_made_by
 
 
 @dataclass
@@ -161,21 +161,11 @@ def print_rows(rows: Sequence[Row]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
-    add_kinds_option(parser, AB_KINDS)
-    parser.add_argument("--layers", type=at_least_one, default=32)
-    parser.add_argument("--turns", type=at_least_one, default=15)
-    parser.add_argument("--json", help="write the rows to this file")
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny shapes, kernels stood in (CPU smoke run)"
-    )
+    add_turn_options(parser, AB_KINDS)
     args = parser.parse_args(argv)
     kinds = picked_kinds(parser, args.kinds, AB_KINDS)
-    contexts, layers, turns = args.contexts, args.layers, args.turns
     with ExitStack() as stack:
-        if args.quick:
-            stack.enter_context(cuda_path())
-            contexts, layers, turns = [64], 2, 2
+        contexts, layers, turns = turn_shapes(args, stack)
         recorder = stack.enter_context(recorded_launches())
         print(f"device: {mx.default_device()}  layers {layers}  turns {turns}")
         rows = [
