@@ -92,13 +92,13 @@ def leaving_out(parts: frozenset[str], rows: list[mx.array]) -> Iterator[None]:
         if "merge" in parts:
             read = attention_kernels.ReadLaunch.__call__
             # Each launch once with its merge left out (a NamedTuple's _replace at every
-            # read would add its own host time to the variant); the launch itself is kept,
-            # so that its id stays its own.
+            # read would add its own host time to the variant), by id: the value holds the
+            # launch too, so no other object takes its id while the block runs.
             unmerged: dict[int, tuple[Any, Any]] = {}
 
             def partial_only(launch: Any, *arguments: Any) -> mx.array:
                 known = unmerged.get(id(launch))
-                if known is None or known[0] is not launch:
+                if known is None:
                     known = unmerged[id(launch)] = (launch, launch._replace(merge=_unmerged))
                 return read(known[1], *arguments)
 
