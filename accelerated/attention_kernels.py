@@ -8,7 +8,8 @@ record per row (accelerated/records.py; `record_pass` reads each field at its of
 Each element is decoded in registers to exactly the operand the reference's attention
 sees (AFF-6's two roundings in the scales' format, TQ-5's `(code + zero) * scale`, TQ-8's
 `centroid * scale` in the rotated domain), so only the attention arithmetic itself
-departs from the reference, within READ-1's bound.
+departs from the reference, within READ-1's bound; TurboQuant's 8-bit keys on tensor
+cores enter as their codes, and each group's zero and scale complete its partial score.
 
 Pass 1 (split-K, as FlashDecoding): the positions are cut into splits; a block of
 WARPS warps takes one split of one KV head and serves every query head that reads that
@@ -20,7 +21,11 @@ and write one partial (max, sum, weighted values) per split. Pass 1 has two bodi
   next MMA needs (no shuffle of weights), and the softmax runs once per 8 positions;
   keys that decode to 16-bit values of the queries' format (plain bfloat16 or float16,
   affine in whole pairs) score on 16-bit MMAs (m16n8k16) instead, half as many, of exact
-  products, the softmax scale applied to each float32 score;
+  products, the softmax scale applied to each float32 score; so do TurboQuant's 8-bit
+  keys, group by group: a lane holds 8 codes of each 32-element group (each k-step in
+  one group) as float16 1152 + code, against the query scaled by its head's power of two
+  and rounded to float16, and the lane that holds a score applies each group's zero
+  (times the group's query sum) and scale to the group's partial sum;
 - on CUDA cores: lane l of a warp owns elements [l E, l E + E) of a row (E = D / 32); a
   warp takes every WARPS-th position of the split, STAGE at a time, loading the next
   stage's raw words before it decodes this one; the stage's dot products reduce together

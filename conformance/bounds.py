@@ -120,13 +120,14 @@ def deferred_attention_bound(
     float64, broadcastable to [B, Hq, N, D].
 
     Both attend over the rotated values, within b = attention_bound of each other per
-    element, then unrotate in float32. The orthogonal transform maps an error of at most b
-    per element to at most sqrt(D) b per element, and each side's float32 transform adds at
-    most t ||x|| (t = (log2 D + 1) 2^-24, TQ-6) for an input row x, whose norm is at most
+    element, then unrotate in float32. The orthogonal transform keeps the l2 norm of an
+    error of at most b per element, at most sqrt(D) b, and each side's float32 transform adds
+    at most t ||x|| to it (t = (log2 D + 1) 2^-24, TQ-6) for an input row x, whose norm is at most
     R (1 + 2^-24) on the reference's side (R the largest row norm of the rotated values; the
     output is a convex combination of rows, rounded once) and sqrt(D) b more on the
     backend's:
-    bound = sqrt(D) b + t (2 R (1 + 2^-24) + sqrt(D) b).
+    bound = sqrt(D) b + t (2 R (1 + 2^-24) + sqrt(D) b), on each output row's l2 norm
+    (`read_error`), hence on each element too.
     """
     B, Hq, _, _ = queries.shape
     Hk, D = keys.shape[1], rotated_values.shape[-1]
@@ -136,6 +137,16 @@ def deferred_attention_bound(
     t = (np.log2(D) + 1) * FLOAT32_ROUNDOFF
     spread = np.sqrt(D) * b
     return spread + t * (2 * R * (1 + FLOAT32_ROUNDOFF) + spread)
+
+
+def read_error(actual: np.ndarray, expected: np.ndarray, read: DenseRead | DeferredRead):
+    """What `read_bound` bounds of |actual - expected|, float64: each element's error for a
+    dense read; for a deferred read (TQC-4) each output row's l2 norm, broadcast over the
+    row, since the orthogonal transform keeps a row's norm, not its elements."""
+    error = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64))
+    if isinstance(read, DeferredRead):
+        return np.broadcast_to(np.linalg.norm(error, axis=-1, keepdims=True), error.shape)
+    return error
 
 
 def read_bound(

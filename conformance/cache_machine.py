@@ -33,7 +33,7 @@ from hypothesis.stateful import (
 )
 
 from kvspec.conformance.backend import Backend
-from kvspec.conformance.bounds import read_bound, rounded_attention_interval
+from kvspec.conformance.bounds import read_bound, read_error, rounded_attention_interval
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.conformance.oracles import (
     AffineCodec,
@@ -137,7 +137,13 @@ def assert_read_within_bound(
         for i, r in enumerate(reads)
     ]
     bound = np.concatenate(bounds, axis=2)
-    error = np.abs(got - want)
+    if len(reads) > 1:
+        parts = [
+            read_error(got[:, :, i : i + 1], want[:, :, i : i + 1], r) for i, r in enumerate(reads)
+        ]
+        error = np.concatenate(parts, axis=2)
+    else:
+        error = read_error(got, want, reads[0])
     excess = error - np.broadcast_to(bound, error.shape)
     worst = np.unravel_index(np.argmax(excess), excess.shape)
     assert excess[worst] <= 0, (

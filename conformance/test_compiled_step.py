@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from kvspec.conformance.backend import Backend, reference_backend
-from kvspec.conformance.bounds import read_bound
+from kvspec.conformance.bounds import read_bound, read_error
 from kvspec.conformance.cache_machine import (
     CacheMachine,
     assert_read_matches_model,
@@ -117,7 +117,7 @@ def _assert_within_bound(expected_read: Any, got: Any, queries: np.ndarray, back
     actual = backend.to_numpy(got).astype(np.float64)
     assert actual.shape == want.shape
     bound = read_bound(queries, expected_read, scale, backend.attention_roundoff)
-    error = np.abs(actual - want)
+    error = read_error(actual, want, expected_read)
     assert np.all(error <= bound), f"compiled read error {error.max()} > bound {bound.min()}"
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvspec.conformance.backend import Backend
-from kvspec.conformance.bounds import attention_bound, deferred_attention_bound
+from kvspec.conformance.bounds import attention_bound, deferred_attention_bound, read_error
 from kvspec.conformance.cache_machine import assert_same_state
 from kvspec.conformance.compare import assert_same_bits, rank_of
 from kvspec.reference import affine, caches, turboquant
@@ -29,6 +29,11 @@ TURBO_FIELDS = ("k_idx", "k_scales", "k_zeros", "v_packed", "v_scales")
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 1)).astype(FLOAT_DTYPES[dtype])
+
+
+def _normal_draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, role: str):
+    """Keys, values and queries alike: `_normal`."""
+    return _normal(rng, shape, dtype)
 
 
 def _poisoned_kv(seed: int, shape: tuple[int, int, int, int], dtype: str):
@@ -211,17 +216,19 @@ def _assert_reads_within_bound(
     groups: int,
     lengths: list[int],
     body: str,
+    draw=_normal_draw,
 ) -> None:
     """Appends `lengths` (a window for L > 1, a decode step for L = 1) to a reference cache
     and one of the backend's, and holds each decode read to READ-1's bound of the reference's
     (READ-7). body: "default", "cuda-cores", or "each": the default and, where the kernels
-    would take the read on tensor cores, their CUDA-core body too."""
+    would take the read on tensor cores, their CUDA-core body too. `draw(rng, shape, dtype,
+    role)` makes the "keys", "values" and "queries"."""
     rng = np.random.default_rng(groups)
     ref, acc = factory(caches), factory(backend.module("caches"))
     for L in lengths:
-        k = _normal(rng, (1, 2, L, head_dim), dtype)
-        v = _normal(rng, (1, 2, L, head_dim), dtype)
-        queries = _normal(rng, (1, 2 * groups, 1, head_dim), dtype)
+        k = draw(rng, (1, 2, L, head_dim), dtype, "keys")
+        v = draw(rng, (1, 2, L, head_dim), dtype, "values")
+        queries = draw(rng, (1, 2 * groups, 1, head_dim), dtype, "queries")
         if L > 1:
             ref.append_window(k, v)
             acc.append_window(backend.from_numpy(k), backend.from_numpy(v))
@@ -246,7 +253,7 @@ def _assert_reads_within_bound(
         for attend in attends:
             actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
             assert actual.shape == expected.shape
-            error = np.abs(actual.astype(np.float64) - expected)
+            error = read_error(actual, expected, want)
             assert np.all(error <= bound), f"error {error.max()} > bound {bound.min()}"
     assert_same_state(ref, acc, backend)
     acc.check()
@@ -308,6 +315,52 @@ def test_decode_read_at_every_head_dim_is_within_bound(
     if kind.startswith("turbo") and head_dim not in turboquant.HEAD_DIMS:
         pytest.skip(f"TQ-1 has no sign table for head_dim {head_dim}")
     _assert_reads_within_bound(backend, factory, head_dim, dtype, 4, [40, 1, 1], "each")
+
+
+def _far_zero_draw(magnitude: float):
+    """Keys whose 32-element groups lie close about means of either sign, about `magnitude`
+    (TurboQuant zero points up to about 40000 from float32 keys and 64000 from bfloat16,
+    near float16's limit: TQ-4), some groups crossing zero; queries of about 0.1 /
+    magnitude (past float16's range where the keys are small) with a tenth of their
+    elements 1e-10 to 1 times as large; normal values. The scores stay within about 2,
+    where READ-1's bound, whose score term grows with them, still tells a group's scale or
+    zero misapplied."""
+
+    def draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, role: str):
+        if role == "keys":
+            groups = (*shape[:-1], shape[-1] // 32, 1)
+            mean = magnitude * rng.choice([-1.0, 1.0], groups) * rng.uniform(1, 2, groups)
+            spread = 10.0 ** rng.uniform(np.log10(254 / 70000), 0.5, groups)
+            x = mean * (1 + spread * rng.uniform(-1, 1, (*groups[:-1], 32)))
+            return x.reshape(shape).astype(FLOAT_DTYPES[dtype])
+        if role == "queries":
+            q = rng.standard_normal(shape) * 0.1 / magnitude
+            small = rng.random(shape) < 0.1
+            q[small] *= 10.0 ** rng.uniform(-10, 0, int(small.sum()))
+            return q.astype(FLOAT_DTYPES[dtype])
+        return _normal(rng, shape, dtype)
+
+    return draw
+
+
+@pytest.mark.parametrize("kernels", ["dense", "deferred"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("magnitude", [1e-6, 1e-3, 1e2, 3e3])
+def test_turboquant_reads_of_far_zero_points_and_extreme_queries_are_within_bound(
+    backend: Backend, kernels: str, head_dim: int, dtype: str, magnitude: float
+) -> None:
+    """READ-7's group scores for TurboQuant keys (on CUDA's tensor cores: 1152 + code
+    against a query scaled by its head's power of two, then zero and scale) at zero points
+    far from the codes and queries past float16's range, on each body that takes them."""
+    factory = partial(_turbo_k8v4, kernels=kernels)
+    _assert_reads_within_bound(
+        backend, factory, head_dim, dtype, 4, [40, 1, 1], "each", _far_zero_draw(magnitude)
+    )
+
+
+def _turbo_k8v4(c, kernels: str):
+    return c.TurboQuantKVCache(8, 4, kernels, checks="deferred")
 
 
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))

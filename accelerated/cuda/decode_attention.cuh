@@ -477,6 +477,79 @@ __device__ __forceinline__ void mma_16bit(
     }
 }
 
+// TurboQuant's 8-bit keys on 16-bit MMAs (READ-7's group scores): lane col's share of a row
+// is 8 codes of each 32-element group g (elements 32 g + 8 col .. 32 g + 8 col + 7), so that
+// each k-step of 16 lies in one group, whose scale and zero then apply to its partial score.
+// Loaded raw; `pairs` makes them float16 1152 + code (exact), two to a word as mma_16bit
+// takes them. The interface is LaneRow's where the loop calls it.
+template <int DK>
+struct GroupedKeyRow {
+    static constexpr int GROUPS = DK / 32;
+    static constexpr bool OWN_PART = true;
+    static constexpr bool PAIRS16 = false;
+    unsigned int w[2 * GROUPS];
+
+    static __device__ __forceinline__ int part_bytes(int lane) { return lane * 8; }
+    static __device__ __forceinline__ int part_group(int) { return 0; }
+
+    template <typename C, typename S>
+    __device__ __forceinline__ void load(
+        const C* codes, const S*, const S*, long long code_row, long long, int lane) {
+        load_row(codes + code_row, static_cast<const S*>(nullptr), static_cast<const S*>(nullptr),
+                 lane);
+    }
+
+    template <typename C, typename S>
+    __device__ __forceinline__ void load_row(const C* codes, const S*, const S*, int lane) {
+        const unsigned char* part = reinterpret_cast<const unsigned char*>(codes) + lane * 8;
+        #pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+            const uint2 x = *reinterpret_cast<const uint2*>(part + 32 * g);
+            w[2 * g] = x.x;
+            w[2 * g + 1] = x.y;
+        }
+    }
+
+    // k-step 2 g + h: b0 = (elements 4 h, 4 h + 1 of the lane's 8 in group g), b1 = (4 h + 2,
+    // 4 h + 3), lower element in the low half: flipping a code's sign bit makes code + 128,
+    // which a byte permute sets under the float16 bits of 1024.
+    __device__ __forceinline__ void pairs(unsigned int (&k)[4 * GROUPS]) const {
+        #pragma unroll
+        for (int i = 0; i < 2 * GROUPS; ++i) {
+            const unsigned int biased = w[i] ^ 0x80808080u;
+            k[2 * i] = __byte_perm(biased, 0x64646464u, 0x4140u);
+            k[2 * i + 1] = __byte_perm(biased, 0x64646464u, 0x4342u);
+        }
+    }
+};
+
+// The float16 scales and zeros of a TurboQuant key row's GROUPS groups, raw, as the lane
+// that holds the row's scores loads them (GroupedKeyRow).
+template <int GROUPS>
+struct KeyGroups {
+    static constexpr int NW = GROUPS / 2;
+    unsigned int scales[NW];
+    unsigned int zeros[NW];
+
+    template <typename S>
+    __device__ __forceinline__ void load(const S* row_scales, const S* row_zeros) {
+        load_words<NW>(reinterpret_cast<const unsigned char*>(row_scales), scales);
+        load_words<NW>(reinterpret_cast<const unsigned char*>(row_zeros), zeros);
+    }
+
+    __device__ __forceinline__ void clear() {
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) scales[i] = zeros[i] = 0u;
+    }
+
+    static __device__ __forceinline__ float half_of(const unsigned int (&words)[NW], int g) {
+        const __half2 pair = bits_as<__half2>(words[g / 2]);
+        return __half2float(g % 2 == 0 ? __low2half(pair) : __high2half(pair));
+    }
+    __device__ __forceinline__ float scale(int g) const { return half_of(scales, g); }
+    __device__ __forceinline__ float zero(int g) const { return half_of(zeros, g); }
+};
+
 // The 16-bit type a side's rows decode to: its codes' for plain rows, its scales' for
 // affine rows (void for the others).
 template <int FMT, typename C, typename S>
@@ -490,6 +563,16 @@ struct Paired16<0, C, S> {
 template <typename C, typename S>
 struct Paired16<1, C, S> {
     using type = S;
+};
+
+// A if B, else C (std::conditional_t, which NVRTC's headers may not give).
+template <bool B, typename A, typename C>
+struct Pick {
+    using type = A;
+};
+template <typename A, typename C>
+struct Pick<false, A, C> {
+    using type = C;
 };
 
 template <typename A, typename B>
@@ -561,8 +644,19 @@ __device__ __forceinline__ void partial_pass(
     const long long v_base = b * v_codes_strides[0] + h * v_codes_strides[1];
     const long long vs_base = VFMT == 0 ? 0 : b * v_scales_strides[0] + h * v_scales_strides[1];
 
-    using KeyRow = LaneRow<KFMT, EK, KBITS, KGROUP, KC, KS>;
+    // TurboQuant's 8-bit keys score group by group on 16-bit MMAs (GroupedKeyRow): each
+    // group's partial score of 1152 + code against the query scaled by a power of two per
+    // head, then its zero and scale (READ-7's group scores).
+    constexpr bool GROUP_SCORES = MMA && KFMT == 2 && KBITS == 8 && KGROUP == 32;
+    constexpr int KEY_GROUPS = GROUP_SCORES ? DK / 32 : 2;
+    using KeyRow = typename Pick<GROUP_SCORES, GroupedKeyRow<DK>,
+                                 LaneRow<KFMT, EK, KBITS, KGROUP, KC, KS>>::type;
     using ValueRow = LaneRow<VFMT, EV, VBITS, VGROUP, VC, VS>;
+    using RowGroups = KeyGroups<KEY_GROUPS>;
+    // Per query head: the sums of each group's scaled query elements as float16 rounds them,
+    // and the factor that takes its scores back (the softmax scale over the head's power).
+    __shared__ float query_sums[GROUP_SCORES ? G * KEY_GROUPS : 1];
+    __shared__ float query_factors[GROUP_SCORES ? G : 1];
 
     // The warps' results for the block merge: [WARPS][G][DV] sums, [WARPS][G] maxima and sums.
     float* sums = shared;
@@ -611,7 +705,7 @@ __device__ __forceinline__ void partial_pass(
             KeyRow::PAIRS16 && SAME_TYPE<QT, typename Paired16<KFMT, KC, KS>::type>;
         const int row = lane >> 2;
         const int col = lane & 3;
-        constexpr int KSTEPS = SCORES16 ? DK / 16 : DK / 8;
+        constexpr int KSTEPS = SCORES16 || GROUP_SCORES ? DK / 16 : DK / 8;
         constexpr int MTILES = DV / 16;
 
         // The query fragment, the same for every warp of the block, in shared memory past the
@@ -620,7 +714,52 @@ __device__ __forceinline__ void partial_pass(
         // (for SCORES16 each of the two a pair of 16-bit values, mma_16bit's a0 and a2).
         constexpr int MERGED = (WARPS * G * DV + 2 * WARPS * G + 3) / 4 * 4;
         uint4 (*query_fragment)[32] = reinterpret_cast<uint4 (*)[32]>(shared + MERGED);
-        if (warp == 0) {
+        if (warp == 0 && GROUP_SCORES) {
+            // Lane (row, col) holds elements 32 g + 8 col + i of head `row`; the head's
+            // largest magnitude m 2^e (m in [1/2, 1)) sets its power 2^(15 - e), at most 2^126
+            // (a float32), so that every scaled element lies within float16's range, exact
+            // where it is a bfloat16 or float16 value in float16's normal range; a head of
+            // zeros, NaN or infinity keeps power 1.
+            const long long q_row = (long long)b * queries_strides[0] +
+                (long long)(h * G + (row < G ? row : 0)) * queries_strides[1];
+            float x[KEY_GROUPS][8];
+            float top = 0.0f;
+            #pragma unroll
+            for (int g = 0; g < KEY_GROUPS; ++g) {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const long long at = q_row + (32 * g + 8 * col + i) * queries_strides[3];
+                    x[g][i] = row < G ? static_cast<float>(queries[at]) : 0.0f;
+                    top = fmaxf(top, fabsf(x[g][i]));
+                }
+            }
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+            int exponent = 0;
+            frexpf(top, &exponent);
+            const float power =
+                top > 0.0f && isfinite(top) ? ldexpf(1.0f, min(15 - exponent, 126)) : 1.0f;
+            #pragma unroll
+            for (int g = 0; g < KEY_GROUPS; ++g) {
+                float sum = 0.0f;
+                unsigned int a[4];
+                #pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const __half2 pair = __floats2half2_rn(x[g][2 * p] * power,
+                                                           x[g][2 * p + 1] * power);
+                    const float2 wide = __half22float2(pair);
+                    sum += wide.x + wide.y;
+                    memcpy(&a[p], &pair, 4);
+                }
+                // k-step 2 g + h takes the lane's pairs 2 h and 2 h + 1 (GroupedKeyRow::pairs).
+                query_fragment[2 * g][lane] = make_uint4(a[0], 0u, a[1], 0u);
+                query_fragment[2 * g + 1][lane] = make_uint4(a[2], 0u, a[3], 0u);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                if (col == 0 && row < G) query_sums[row * KEY_GROUPS + g] = sum;
+            }
+            if (col == 0 && row < G) query_factors[row] = factor / power;
+        } else if (warp == 0) {
             const long long q_row = (long long)b * queries_strides[0] +
                 (long long)(h * G + (row < G ? row : 0)) * queries_strides[1];
             #pragma unroll
@@ -647,6 +786,16 @@ __device__ __forceinline__ void partial_pass(
             }
         }
         __syncthreads();
+        // Group scores: head `row`'s group sums and factor, for the scores this lane holds.
+        float group_sums[KEY_GROUPS];
+        float head_factor = 0.0f;
+        if constexpr (GROUP_SCORES) {
+            #pragma unroll
+            for (int g = 0; g < KEY_GROUPS; ++g) {
+                group_sums[g] = row < G ? query_sums[row * KEY_GROUPS + g] : 0.0f;
+            }
+            head_factor = row < G ? query_factors[row] : 0.0f;
+        }
         // Head `row`'s running maximum and this lane's share of its sum; O^T in the C layout
         // (acc[i]: elements row EV + 2i, + 1 of heads 2 col, 2 col + 1).
         float m = NEG_INF;
@@ -692,6 +841,12 @@ __device__ __forceinline__ void partial_pass(
             ? nullptr : v_scales + vs_base + first_value * v_scales_strides[2] + value_group;
         const VS* value_biases = VFMT == 0 || VFMT == 3
             ? nullptr : v_biases + vs_base + first_value * v_scales_strides[2] + value_group;
+        // Group scores: the key scales and zeros of the positions whose scores the lane holds
+        // (its value rows' positions).
+        const KS* score_scales =
+            GROUP_SCORES ? k_scales + ks_base + first_value * k_scales_strides[2] : nullptr;
+        const KS* score_zeros =
+            GROUP_SCORES ? k_biases + ks_base + first_value * k_scales_strides[2] : nullptr;
         // The compiled step's slot variant: the write row lies in at most one chunk of the
         // split (`slot_chunk`), which alone tests its rows against it; every other chunk
         // loads as the other variants do, for one warp-wide test a chunk.
@@ -699,7 +854,7 @@ __device__ __forceinline__ void partial_pass(
             SLOT && written >= start && written < end ? (written - start) / 8 : -1;
         // A whole chunk (WHOLE_ROWS) loads every row without testing it against the end.
         auto load_rows = [&](auto slot_rows, auto whole_rows, int c, KeyRow& key, ValueRow& v0,
-                             ValueRow& v1) {
+                             ValueRow& v1, RowGroups& g0, RowGroups& g1) {
             constexpr bool SLOT_ROWS = decltype(slot_rows)::value;
             constexpr bool WHOLE_ROWS = decltype(whole_rows)::value;
             const int tk = start + 8 * c + row;
@@ -726,6 +881,25 @@ __device__ __forceinline__ void partial_pass(
                             value_part);
                     }
                 }
+                if constexpr (GROUP_SCORES) {
+                    RowGroups& groups = i == 0 ? g0 : g1;
+                    if (WHOLE_ROWS || tv + i < end) {
+                        if (SLOT_ROWS && tv + i == written) {
+                            const long long at =
+                                b * new_k_scales_strides[0] + h * new_k_scales_strides[1];
+                            groups.load(new_k_scales + at, new_k_biases + at);
+                        } else {
+                            groups.load(score_scales + i * k_scales_strides[2],
+                                        score_zeros + i * k_scales_strides[2]);
+                        }
+                    } else {
+                        groups.clear();
+                    }
+                }
+            }
+            if constexpr (GROUP_SCORES) {
+                score_scales += chunk_rows * k_scales_strides[2];
+                score_zeros += chunk_rows * k_scales_strides[2];
             }
             key_codes += chunk_rows * k_codes_strides[2];
             if constexpr (KFMT != 0) {
@@ -736,26 +910,61 @@ __device__ __forceinline__ void partial_pass(
             if constexpr (VFMT != 0) value_scales += chunk_rows * v_scales_strides[2];
             if constexpr (VFMT == 1 || VFMT == 2) value_biases += chunk_rows * v_scales_strides[2];
         };
-        auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1) {
+        auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1, RowGroups& g0,
+                        RowGroups& g1) {
             if (SLOT && c == slot_chunk) {
-                load_rows(Choice<true>(), Choice<false>(), c, key, v0, v1);
+                load_rows(Choice<true>(), Choice<false>(), c, key, v0, v1, g0, g1);
             } else if (c < whole_chunks) {
-                load_rows(Choice<false>(), Choice<true>(), c, key, v0, v1);
+                load_rows(Choice<false>(), Choice<true>(), c, key, v0, v1, g0, g1);
             } else {
-                load_rows(Choice<false>(), Choice<false>(), c, key, v0, v1);
+                load_rows(Choice<false>(), Choice<false>(), c, key, v0, v1, g0, g1);
             }
         };
         auto attend_chunk = [&](auto whole, int c, const KeyRow& key, const ValueRow& v0,
-                                const ValueRow& v1) {
+                                const ValueRow& v1, const RowGroups& g0, const RowGroups& g1) {
             constexpr bool WHOLE = decltype(whole)::value;
             const int t0 = start + 8 * c;
             const int tv = t0 + 2 * col;
 
-            // Independent accumulation chains: four for 8-bit TurboQuant keys (measured
-            // faster on an H200), two elsewhere (more registers cost plain rows a block per SM).
-            constexpr int CHAINS = KFMT == 2 && KBITS == 8 ? 4 : 2;
+            // Independent accumulation chains: four for 8-bit TurboQuant keys on TF32 (measured
+            // faster on an H200), two elsewhere (more registers cost plain rows a block per SM);
+            // group scores keep one accumulator a group of their own.
+            constexpr int CHAINS = GROUP_SCORES ? 1 : KFMT == 2 && KBITS == 8 ? 4 : 2;
             float s[CHAINS][4] = {};
-            if constexpr (SCORES16) {
+            if constexpr (GROUP_SCORES) {
+                // Four groups at a time, each its own accumulator; a group's score is
+                // scale (partial + (zero - 1152) query sum), 1152 + code its operand.
+                unsigned int k[DK / 8];
+                if (WHOLE || t0 + row < end) {
+                    key.pairs(k);
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < DK / 8; ++j) k[j] = 0u;
+                }
+                #pragma unroll
+                for (int first_group = 0; first_group < KEY_GROUPS; first_group += 4) {
+                    constexpr int BATCH = KEY_GROUPS < 4 ? KEY_GROUPS : 4;
+                    float part[BATCH][4] = {};
+                    #pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        #pragma unroll
+                        for (int i = 0; i < BATCH; ++i) {
+                            const int j = 2 * (first_group + i) + half;
+                            const uint4 a = query_fragment[j][lane];
+                            mma_16bit<__half>(part[i], a.x, a.y, a.z, a.w, k[2 * j], k[2 * j + 1]);
+                        }
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < BATCH; ++i) {
+                        const int g = first_group + i;
+                        const float sum = group_sums[g];
+                        s[0][0] = fmaf(g0.scale(g), fmaf(g0.zero(g) - 1152.0f, sum, part[i][0]),
+                                       s[0][0]);
+                        s[0][1] = fmaf(g1.scale(g), fmaf(g1.zero(g) - 1152.0f, sum, part[i][1]),
+                                       s[0][1]);
+                    }
+                }
+            } else if constexpr (SCORES16) {
                 unsigned int k[EK / 2];
                 if (WHOLE || t0 + row < end) {
                     key.decode_pairs16(k);
@@ -791,6 +1000,9 @@ __device__ __forceinline__ void partial_pass(
             if constexpr (SCORES16) {
                 s[0][0] = __fmul_rn(s[0][0], factor);
                 s[0][1] = __fmul_rn(s[0][1], factor);
+            } else if constexpr (GROUP_SCORES) {
+                s[0][0] = __fmul_rn(s[0][0], head_factor);
+                s[0][1] = __fmul_rn(s[0][1], head_factor);
             }
             const float s0 = WHOLE || tv < end ? s[0][0] : NEG_INF;
             const float s1 = WHOLE || tv + 1 < end ? s[0][1] : NEG_INF;
@@ -844,17 +1056,22 @@ __device__ __forceinline__ void partial_pass(
         };
         KeyRow next_key;
         ValueRow next_v0, next_v1;
-        if (warp < chunks) load(warp, next_key, next_v0, next_v1);
+        RowGroups next_g0, next_g1;
+        if (warp < chunks) load(warp, next_key, next_v0, next_v1, next_g0, next_g1);
         int c = warp;
         for (; c < whole_chunks; c += WARPS) {
             const KeyRow key = next_key;
             const ValueRow v0 = next_v0;
             const ValueRow v1 = next_v1;
-            if (c + WARPS < chunks) load(c + WARPS, next_key, next_v0, next_v1);
-            attend_chunk(Choice<true>(), c, key, v0, v1);
+            const RowGroups g0 = next_g0;
+            const RowGroups g1 = next_g1;
+            if (c + WARPS < chunks) load(c + WARPS, next_key, next_v0, next_v1, next_g0, next_g1);
+            attend_chunk(Choice<true>(), c, key, v0, v1, g0, g1);
         }
         // The partial chunk, if any, is this warp's next (its rows are loaded).
-        if (c < chunks) attend_chunk(Choice<false>(), c, next_key, next_v0, next_v1);
+        if (c < chunks) {
+            attend_chunk(Choice<false>(), c, next_key, next_v0, next_v1, next_g0, next_g1);
+        }
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
 
