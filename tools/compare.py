@@ -33,7 +33,7 @@ from kvspec.accelerated import affine as accelerated_affine
 from kvspec.accelerated import caches as accelerated_caches
 from kvspec.accelerated import turboquant as accelerated_turboquant
 from kvspec.accelerated.dtypes import from_numpy, to_numpy
-from kvspec.conformance.bounds import affine_read_bound, read_bound
+from kvspec.conformance.bounds import affine_read_bound, read_bound, read_error
 from kvspec.conformance.cache_scenarios import TURBOQUANT_FIELDS, slot_names
 from kvspec.conformance.compare import bit_view, mismatches
 from kvspec.reference import affine as reference_affine
@@ -291,7 +291,7 @@ def cache_session_row(
             actual = getattr(got, method)(from_numpy(k), from_numpy(v))
             scale = 128**-0.5
             want = expected.attend(q, scale).astype(np.float64)
-            error = np.abs(to_numpy(actual.attend(from_numpy(q), scale)).astype(np.float64) - want)
+            error = read_error(to_numpy(actual.attend(from_numpy(q), scale)), want, expected)
             worst = max(worst, float(np.max(error / read_bound(q, expected, scale))))
         difference = state_divergence(ref, got)
         if difference:
