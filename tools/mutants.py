@@ -13,8 +13,9 @@ the editable install, and each run checks that it imports the copy.
     .venv/bin/python tools/mutants.py ring-wraps-early trim-past-offset --runs 3
 
 Prints a Markdown table (mutant, file, fault, tests, result per run, seconds); exits 1
-when a mutant is missed, does not apply, or errs. docs/mutants.md holds the catalogue and
-its last result.
+when a mutant is missed, does not apply, or errs. A fault in a CUDA kernel runs only where
+MLX runs the kernels (a CUDA device); elsewhere its result is "needs CUDA".
+docs/mutants.md holds the catalogue and its last result.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ class Mutant:
     after: str
     fault: str
     tests: tuple[str, ...]
+    #: A fault in a CUDA kernel, which only a run on a CUDA device reaches: elsewhere it is
+    #: reported as NEEDS_CUDA, not run.
+    needs_cuda: bool = False
+
+
+#: The result of a CUDA mutant off a CUDA device (neither caught nor missed).
+NEEDS_CUDA = "needs CUDA"
 
 
 KV = "conformance/test_caches_kv.py"
@@ -65,6 +73,10 @@ RECORDS_VIEWS = "test_a_decode_step_reads_a_records_rows_without_a_fields_view"
 CUDA_SOURCE = "conformance/test_cuda_source.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
+FAR_ZERO_READS = (
+    "conformance/test_decode_step.py::"
+    "test_turboquant_reads_of_far_zero_points_and_extreme_queries_are_within_bound"
+)
 RECORDS = "conformance/test_records.py"
 RING_MASKS = "test_ring_masks_against_positions_written"
 ROWS = "conformance/test_rows.py"
@@ -836,6 +848,41 @@ CATALOGUE = (
         "instead of running while the host commits (COMPILE-6)",
         (f"{COMPILED}::test_the_device_starts_before_the_commits",),
     ),
+    Mutant(
+        "cuda-turbo-group-scores-one-scale",
+        "accelerated/cuda/decode_attention.cuh",
+        "s[0][0] = fmaf(g0.scale(g),",
+        "s[0][0] = fmaf(g0.scale(0),",
+        "TurboQuant's group scores on tensor cores apply group 0's scale to every group of a "
+        "key (READ-7)",
+        (FAR_ZERO_READS,),
+        needs_cuda=True,
+    ),
+    Mutant(
+        "cuda-turbo-group-scores-pairs-swapped",
+        "accelerated/cuda/decode_attention.cuh",
+        "k[2 * i] = __byte_perm(biased, 0x64646464u, 0x4140u);",
+        "k[2 * i] = __byte_perm(biased, 0x64646464u, 0x4342u);",
+        "a k-step of TurboQuant's group scores takes a lane's second pair of codes where its "
+        "first belongs (READ-7)",
+        (
+            FAR_ZERO_READS,
+            f"{COMPILED}::test_compiled_steps_store_the_eager_bits[turbo k8v4 dense-eager]",
+        ),
+        needs_cuda=True,
+    ),
+    Mutant(
+        "cuda-turbo-group-scores-offset",
+        "accelerated/cuda/decode_attention.cuh",
+        "s[0][0] = fmaf(g0.scale(g), fmaf(g0.zero(g) - 1152.0f,",
+        "s[0][0] = fmaf(g0.scale(g), fmaf(g0.zero(g) - 1024.0f,",
+        "TurboQuant's group scores take the codes' float16 offset as 1024, not 1152 (READ-7)",
+        (
+            FAR_ZERO_READS,
+            f"{COMPILED}::test_compiled_steps_store_the_eager_bits[turbo k8v4 dense-eager]",
+        ),
+        needs_cuda=True,
+    ),
 )
 
 
@@ -866,8 +913,18 @@ def apply(mutant: Mutant, project: Path) -> None:
     target.write_text(text.replace(mutant.before, mutant.after))
 
 
+def on_cuda() -> bool:
+    """Whether this process's MLX runs the CUDA kernels (what a CUDA mutant needs)."""
+    from kvspec.accelerated.device import fused_kernels_enabled
+
+    return fused_kernels_enabled()
+
+
 def run_tests(mutant: Mutant, profile: str, timeout: float) -> tuple[str, float]:
-    """('caught' | 'missed' | 'error: ...', seconds) of one run on a fresh copy."""
+    """('caught' | 'missed' | NEEDS_CUDA | 'error: ...', seconds) of one run on a fresh
+    copy."""
+    if mutant.needs_cuda and not on_cuda():
+        return NEEDS_CUDA, 0.0
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         project, path = copy_project(Path(tmp))
         try:
@@ -952,7 +1009,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{mutant.name}: {', '.join(results)} ({total:.0f} s)", file=sys.stderr)
         rows.append((mutant, results, total / args.runs))
     print(table(rows))
-    return 0 if all(result == "caught" for _, results, _ in rows for result in results) else 1
+    passed = ("caught", NEEDS_CUDA)
+    return 0 if all(result in passed for _, results, _ in rows for result in results) else 1
 
 
 if __name__ == "__main__":

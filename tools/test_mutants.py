@@ -48,3 +48,11 @@ def test_fast_subset_is_caught(name: str) -> None:
     (mutant,) = mutants.select([name])
     result, _ = mutants.run_tests(mutant, "mutants-fixed", timeout=300)
     assert result == "caught", f"{name}: {result}"
+
+
+def test_a_cuda_mutant_off_cuda_is_reported_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mutants, "on_cuda", lambda: False)
+    (mutant,) = mutants.select(["cuda-turbo-group-scores-one-scale"])
+    assert mutant.needs_cuda
+    assert mutants.run_tests(mutant, "mutants-fixed", timeout=1) == (mutants.NEEDS_CUDA, 0.0)
+    assert mutants.main(["cuda-turbo-group-scores-one-scale"]) == 0
