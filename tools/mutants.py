@@ -861,10 +861,10 @@ CATALOGUE = (
     Mutant(
         "cuda-turbo-group-scores-pairs-swapped",
         "accelerated/cuda/decode_attention.cuh",
-        "k[2 * i] = __byte_perm(biased, 0x64646464u, 0x4140u);",
-        "k[2 * i] = __byte_perm(biased, 0x64646464u, 0x4342u);",
-        "a k-step of TurboQuant's group scores takes a lane's second pair of codes where its "
-        "first belongs (READ-7)",
+        "0x4140u);\n            k[2 * i + 1] = __byte_perm(biased, 0x64646464u, 0x4342u);",
+        "0x4342u);\n            k[2 * i + 1] = __byte_perm(biased, 0x64646464u, 0x4140u);",
+        "a k-step of TurboQuant's group scores takes a word's two pairs of codes in each "
+        "other's place (READ-7)",
         (
             FAR_ZERO_READS,
             f"{COMPILED}::test_compiled_steps_store_the_eager_bits[turbo k8v4 dense-eager]",
