@@ -851,8 +851,10 @@ CATALOGUE = (
     Mutant(
         "cuda-turbo-group-scores-one-scale",
         "accelerated/cuda/decode_attention.cuh",
-        "s[0][0] = fmaf(g0.scale(g),",
-        "s[0][0] = fmaf(g0.scale(0),",
+        "fmaf(g0.scale(g), full0, s[0][0]);\n"
+        "                            s[0][1] = fmaf(g1.scale(g), full1,",
+        "fmaf(g0.scale(0), full0, s[0][0]);\n"
+        "                            s[0][1] = fmaf(g1.scale(0), full1,",
         "TurboQuant's group scores on tensor cores apply group 0's scale to every group of a "
         "key (READ-7)",
         (FAR_ZERO_READS,),
@@ -874,8 +876,10 @@ CATALOGUE = (
     Mutant(
         "cuda-turbo-group-scores-offset",
         "accelerated/cuda/decode_attention.cuh",
-        "s[0][0] = fmaf(g0.scale(g), fmaf(g0.zero(g) - 1152.0f,",
-        "s[0][0] = fmaf(g0.scale(g), fmaf(g0.zero(g) - 1024.0f,",
+        "fmaf(g0.zero(g) - 1152.0f, sum, part[i][0]);\n"
+        "                            const float full1 = fmaf(g1.zero(g) - 1152.0f,",
+        "fmaf(g0.zero(g) - 1024.0f, sum, part[i][0]);\n"
+        "                            const float full1 = fmaf(g1.zero(g) - 1024.0f,",
         "TurboQuant's group scores take the codes' float16 offset as 1024, not 1152 (READ-7)",
         (
             FAR_ZERO_READS,

@@ -480,8 +480,8 @@ __device__ __forceinline__ void mma_16bit(
 // TurboQuant's 8-bit keys on 16-bit MMAs (READ-7's group scores): lane col's share of a row
 // is 8 codes of each 32-element group g (elements 32 g + 8 col .. 32 g + 8 col + 7), so that
 // each k-step of 16 lies in one group, whose scale and zero then apply to its partial score.
-// Loaded raw; `pairs` makes them float16 1152 + code (exact), two to a word as mma_16bit
-// takes them. The interface is LaneRow's where the loop calls it.
+// Loaded raw; `decode_pairs16` makes them float16 1152 + code (exact), two to a word as
+// mma_16bit takes them. The interface is LaneRow's where the loop calls it.
 template <int DK>
 struct GroupedKeyRow {
     static constexpr int GROUPS = DK / 32;
@@ -513,7 +513,7 @@ struct GroupedKeyRow {
     // k-step 2 g + h: b0 = (elements 4 h, 4 h + 1 of the lane's 8 in group g), b1 = (4 h + 2,
     // 4 h + 3), lower element in the low half: flipping a code's sign bit makes code + 128,
     // which a byte permute sets under the float16 bits of 1024.
-    __device__ __forceinline__ void pairs(unsigned int (&k)[4 * GROUPS]) const {
+    __device__ __forceinline__ void decode_pairs16(unsigned int (&k)[4 * GROUPS]) const {
         #pragma unroll
         for (int i = 0; i < 2 * GROUPS; ++i) {
             const unsigned int biased = w[i] ^ 0x80808080u;
@@ -931,40 +931,7 @@ __device__ __forceinline__ void partial_pass(
             // group scores keep one accumulator a group of their own.
             constexpr int CHAINS = GROUP_SCORES ? 1 : KFMT == 2 && KBITS == 8 ? 4 : 2;
             float s[CHAINS][4] = {};
-            if constexpr (GROUP_SCORES) {
-                // Four groups at a time, each its own accumulator; a group's score is
-                // scale (partial + (zero - 1152) query sum), 1152 + code its operand.
-                unsigned int k[DK / 8];
-                if (WHOLE || t0 + row < end) {
-                    key.pairs(k);
-                } else {
-                    #pragma unroll
-                    for (int j = 0; j < DK / 8; ++j) k[j] = 0u;
-                }
-                #pragma unroll
-                for (int first_group = 0; first_group < KEY_GROUPS; first_group += 4) {
-                    constexpr int BATCH = KEY_GROUPS < 4 ? KEY_GROUPS : 4;
-                    float part[BATCH][4] = {};
-                    #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        #pragma unroll
-                        for (int i = 0; i < BATCH; ++i) {
-                            const int j = 2 * (first_group + i) + half;
-                            const uint4 a = query_fragment[j][lane];
-                            mma_16bit<__half>(part[i], a.x, a.y, a.z, a.w, k[2 * j], k[2 * j + 1]);
-                        }
-                    }
-                    #pragma unroll
-                    for (int i = 0; i < BATCH; ++i) {
-                        const int g = first_group + i;
-                        const float sum = group_sums[g];
-                        s[0][0] = fmaf(g0.scale(g), fmaf(g0.zero(g) - 1152.0f, sum, part[i][0]),
-                                       s[0][0]);
-                        s[0][1] = fmaf(g1.scale(g), fmaf(g1.zero(g) - 1152.0f, sum, part[i][1]),
-                                       s[0][1]);
-                    }
-                }
-            } else if constexpr (SCORES16) {
+            if constexpr (SCORES16 || GROUP_SCORES) {
                 unsigned int k[EK / 2];
                 if (WHOLE || t0 + row < end) {
                     key.decode_pairs16(k);
@@ -972,10 +939,40 @@ __device__ __forceinline__ void partial_pass(
                     #pragma unroll
                     for (int j = 0; j < EK / 2; ++j) k[j] = 0u;
                 }
-                #pragma unroll
-                for (int j = 0; j < KSTEPS; ++j) {
-                    const uint4 a = query_fragment[j][lane];
-                    mma_16bit<QT>(s[j % CHAINS], a.x, a.y, a.z, a.w, k[2 * j], k[2 * j + 1]);
+                if constexpr (SCORES16) {
+                    #pragma unroll
+                    for (int j = 0; j < KSTEPS; ++j) {
+                        const uint4 a = query_fragment[j][lane];
+                        mma_16bit<QT>(s[j % CHAINS], a.x, a.y, a.z, a.w, k[2 * j], k[2 * j + 1]);
+                    }
+                } else {
+                    // Group scores: four groups at a time, each its own accumulator; a
+                    // group's score is scale (partial + (zero - 1152) query sum), 1152 + code
+                    // its operand.
+                    #pragma unroll
+                    for (int first_group = 0; first_group < KEY_GROUPS; first_group += 4) {
+                        constexpr int BATCH = KEY_GROUPS < 4 ? KEY_GROUPS : 4;
+                        float part[BATCH][4] = {};
+                        #pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            #pragma unroll
+                            for (int i = 0; i < BATCH; ++i) {
+                                const int j = 2 * (first_group + i) + half;
+                                const uint4 a = query_fragment[j][lane];
+                                mma_16bit<__half>(part[i], a.x, a.y, a.z, a.w, k[2 * j],
+                                                  k[2 * j + 1]);
+                            }
+                        }
+                        #pragma unroll
+                        for (int i = 0; i < BATCH; ++i) {
+                            const int g = first_group + i;
+                            const float sum = group_sums[g];
+                            const float full0 = fmaf(g0.zero(g) - 1152.0f, sum, part[i][0]);
+                            const float full1 = fmaf(g1.zero(g) - 1152.0f, sum, part[i][1]);
+                            s[0][0] = fmaf(g0.scale(g), full0, s[0][0]);
+                            s[0][1] = fmaf(g1.scale(g), full1, s[0][1]);
+                        }
+                    }
                 }
             } else {
                 float k[EK];
