@@ -1,4 +1,4 @@
-"""Read-error bounds the spec derives (AFF-8, TQ-12, READ-1, TQC-4)."""
+"""Read-error bounds the spec derives (AFF-8, TQ-12, READ-1, READ-7, TQC-4)."""
 
 from __future__ import annotations
 
@@ -92,20 +92,38 @@ def attention_bound(
     operands' own rounding or truncation to it adds up to 4 roundoff to each product.
     """
     u = unit_roundoff(keys.dtype)
+    D, T = queries.shape[-1], keys.shape[2]
+    _, _, products = _products(queries, keys)
+    score_error = scale * products.max(axis=-1) * (2 * u + (D + 6) * roundoff)
+    return _output_bound(queries, keys, values, score_error, 4 * u + (T + 6) * roundoff)
+
+
+def _products(queries: np.ndarray, keys: np.ndarray):
+    """|q| [B, Hk, G, N, D] by KV head, |k| [B, Hk, 1, T, D] and sum_d |q_d k_jd|
+    [B, Hk, G, N, T], float64."""
     B, Hq, N, D = queries.shape
-    _, Hk, T, _ = keys.shape
-    group = Hq // Hk
-    q = np.abs(queries.astype(np.float64)).reshape(B, Hk, group, N, D)
+    Hk = keys.shape[1]
+    q = np.abs(queries.astype(np.float64)).reshape(B, Hk, Hq // Hk, N, D)
     k = np.abs(keys.astype(np.float64))[:, :, None]
-    magnitude = (q @ np.swapaxes(k, -1, -2)).max(axis=-1)
-    score_error = scale * magnitude * (2 * u + (D + 6) * roundoff)
+    return q, k, q @ np.swapaxes(k, -1, -2)
+
+
+def _output_bound(
+    queries: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    score_error: np.ndarray,
+    slack: float,
+) -> np.ndarray:
+    """max_j |v_j| (expm1(2e) + slack) + tau [B, Hq, N, 1] for score errors e
+    [B, Hk, G, N], tau the keys' format's smallest subnormal."""
+    B, Hq, N, _ = queries.shape
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
     tau = smallest_subnormal(keys.dtype)
     # Scores near float32's limit have an error bound past float64's, and values near it
     # a bound that overflows with it: no bound (inf), as the formula says.
     with np.errstate(over="ignore"):
-        softmax_error = np.expm1(2 * score_error)
-        bound = largest_value * (softmax_error + 4 * u + (T + 6) * roundoff) + tau
+        bound = largest_value * (np.expm1(2 * score_error) + slack) + tau
     return bound.reshape(B, Hq, N, 1)
 
 
@@ -120,23 +138,81 @@ def deferred_attention_bound(
     float64, broadcastable to [B, Hq, N, D].
 
     Both attend over the rotated values, within b = attention_bound of each other per
-    element, then unrotate in float32. The orthogonal transform keeps the l2 norm of an
-    error of at most b per element, at most sqrt(D) b, and each side's float32 transform adds
-    at most t ||x|| to it (t = (log2 D + 1) 2^-24, TQ-6) for an input row x, whose norm is at most
+    element, then unrotate in float32 (`unrotated_bound`)."""
+    b = attention_bound(queries, keys, rotated_values, scale, roundoff)
+    return unrotated_bound(b, queries, keys, rotated_values)
+
+
+def unrotated_bound(
+    b: np.ndarray, queries: np.ndarray, keys: np.ndarray, rotated_values: np.ndarray
+) -> np.ndarray:
+    """TQC-4: the bound on each output row's l2 norm (`read_error`), hence on each element
+    too, of two reads over the rotated values within b of each other per element, each
+    unrotated in float32. The orthogonal transform keeps the l2 norm of an error of at most
+    b per element, at most sqrt(D) b, and each side's float32 transform adds at most t ||x||
+    to it (t = (log2 D + 1) 2^-24, TQ-6) for an input row x, whose norm is at most
     R (1 + 2^-24) on the reference's side (R the largest row norm of the rotated values; the
     output is a convex combination of rows, rounded once) and sqrt(D) b more on the
     backend's:
-    bound = sqrt(D) b + t (2 R (1 + 2^-24) + sqrt(D) b), on each output row's l2 norm
-    (`read_error`), hence on each element too.
+    bound = sqrt(D) b + t (2 R (1 + 2^-24) + sqrt(D) b).
     """
     B, Hq, _, _ = queries.shape
     Hk, D = keys.shape[1], rotated_values.shape[-1]
-    b = attention_bound(queries, keys, rotated_values, scale, roundoff)
     norms = np.linalg.norm(rotated_values.astype(np.float64), axis=-1).max(axis=-1)
     R = np.repeat(norms, Hq // Hk, axis=1).reshape(B, Hq, 1, 1)
     t = (np.log2(D) + 1) * FLOAT32_ROUNDOFF
     spread = np.sqrt(D) * b
     return spread + t * (2 * R * (1 + FLOAT32_ROUNDOFF) + spread)
+
+
+#: READ-7: the unit roundoff of the kernels' rounded operands (TF32 and float16).
+KERNEL_ROUNDOFF = 2.0**-11
+#: READ-7: a float32 sum of the kernels, as the tensor cores accumulate (truncating).
+ACCUMULATION_ROUNDOFF = 2.0**-23
+
+
+def kernel_attention_bound(
+    queries: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    scale: float,
+    key_scales: np.ndarray | None = None,
+    key_zeros: np.ndarray | None = None,
+) -> np.ndarray:
+    """Per-output bound on |decode-attention kernel - reference attention| (READ-7's kernel
+    bound), float64, broadcastable to [B, Hq, N, Dv]; with the float16 key scales and zeros
+    [B, Hk, T, D / 32] of TurboQuant's 8-bit keys, for their group scores.
+
+    With r = 2^-11, a = 2^-23 and u the unit roundoff of the keys' dtype, each score may be
+    off by e = scale * max_j (sum_d |q_d k_jd| (2u + 3r + (D + 4) a) + F_j + G_j): the
+    query rounded and the stored operand truncated, products exact, float32 sums
+    accumulated as the tensor cores do; F_j = 2^-39 max_d |q_d| sum_d |k_jd|, at least
+    2^-151 sum_d |k_jd|, covers the group scores' float16 query elements below float16's
+    normal range; G_j = a (1 + 2^-10) sum_g (64349 + 18 |zero_jg|) scale_jg
+    sum_(d in g) |q_d|, the float32 sums over a group's 32 elements of (1152 + code) times
+    the rounded query (at most 1279 of it, 34 a each: 43486) and of the query
+    (|zero - 1152| times 34 a / 2: 17 (1152 + |zero|)) and the rounding of their combination
+    (1279 + |zero|), which cancel 1152 Q_g and zero_jg Q_g against each other. The output is
+    then within
+    max_j |v_j| (expm1(2e) + 4u + 3r + (2T + 16) a) + tau: weights rounded and values
+    truncated to TF32, exp2 and the float32 sums of T positions, splits and their merge.
+    """
+    u = unit_roundoff(keys.dtype)
+    B, Hq, N, D = queries.shape
+    _, Hk, T, _ = keys.shape
+    q, k, products = _products(queries, keys)
+    largest_query = q.max(axis=-1, keepdims=True)
+    subnormal = np.maximum(2.0**-39 * largest_query, 2.0**-151) * k.sum(axis=-1)[..., None, :]
+    score = products * (2 * u + 3 * KERNEL_ROUNDOFF + (D + 4) * ACCUMULATION_ROUNDOFF)
+    score = score + subnormal
+    if key_scales is not None:
+        scales = np.abs(key_scales.astype(np.float64))[:, :, None, None]  # [B, Hk, 1, 1, T, G]
+        zeros = np.abs(key_zeros.astype(np.float64))[:, :, None, None]
+        weights = ACCUMULATION_ROUNDOFF * (64349 + 18 * zeros) * (1 + 2.0**-10) * scales
+        query_groups = q.reshape(B, Hk, Hq // Hk, N, D // 32, 32).sum(axis=-1)[..., None, :]
+        score = score + (weights * query_groups).sum(axis=-1)
+    slack = 4 * u + 3 * KERNEL_ROUNDOFF + (2 * T + 16) * ACCUMULATION_ROUNDOFF
+    return _output_bound(queries, keys, values, scale * score.max(axis=-1), slack)
 
 
 def read_error(actual: np.ndarray, expected: np.ndarray, read: DenseRead | DeferredRead):

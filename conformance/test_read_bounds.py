@@ -14,9 +14,14 @@ interval. `pytest -s` prints both distributions.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
+from kvspec.conformance.bounds import kernel_attention_bound, read_error, unrotated_bound
 from kvspec.conformance.cache_machine import ReadLog, run_machine
+from kvspec.conformance.test_decode_step import _far_zero_draw
+from kvspec.reference import caches, turboquant
+from kvspec.reference.caches.turboquant import DeferredRead
 
 #: One small kind of each storage: plain, affine, ring, TurboQuant (dense and deferred).
 KINDS = st.sampled_from(
@@ -62,3 +67,76 @@ def test_rounded_attention_interval_is_informative(backend) -> None:
     print(f"{len(width)} dense reads; interval / largest output: {_distribution(width)}")
     assert len(width) >= 100, f"only {len(width)} dense reads: too few for a 99% share"
     assert np.mean(width <= TARGET_FRACTION) >= TARGET_SHARE
+
+
+def _tf32(x: np.ndarray, truncate: bool) -> np.ndarray:
+    """float32 x in TF32 (10 stored mantissa bits): truncated, or rounded to nearest
+    (ties away, as cvt.rna does)."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    if not truncate:
+        bits = bits + np.uint32(0x1000)
+    return (bits & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _group_scores_read(read, fields, queries: np.ndarray, scale: float, offset: float):
+    """A NumPy model of READ-7's tensor-core read over TurboQuant's 8-bit keys, step by
+    step in the kernels' formats: each head's query times its power of two, rounded to
+    float16; per group the float32 sums P of (1152 + code) times it and Q of it; the score
+    sum_g scale (P + (zero - offset) Q) over the power; softmax in base 2, its weights
+    rounded and the values truncated to TF32; float32 sums. `offset` 1152 is the kernels'
+    (the codes' own float16 offset)."""
+    codes, key_scales, key_zeros = (np.asarray(f) for f in fields[:3])
+    B, Hq, _, D = queries.shape
+    Hk, T = codes.shape[1], codes.shape[2]
+    q = queries.astype(np.float32).reshape(B, Hk, Hq // Hk, D)
+    top = np.abs(q).max(axis=-1, keepdims=True)
+    _, exponent = np.frexp(top)
+    power = np.where(top > 0, np.ldexp(np.float32(1), np.minimum(15 - exponent, 126)), 1)
+    q16 = (q * power.astype(np.float32)).astype(np.float16).astype(np.float32)
+    q_groups = q16.reshape(B, Hk, -1, 1, D // 32, 32)  # [B, Hk, G, 1, g, 32]
+    operands = (1152 + codes.astype(np.float32)).reshape(B, Hk, 1, T, D // 32, 32)
+    partial = (q_groups * operands).sum(axis=-1, dtype=np.float32)  # [B, Hk, G, T, g]
+    sums = q_groups.sum(axis=-1, dtype=np.float32)
+    zeros = key_zeros.astype(np.float32)[:, :, None]
+    full = partial.astype(np.float64) + (zeros - np.float32(offset)) * sums.astype(np.float64)
+    weighted = key_scales.astype(np.float32)[:, :, None] * full.astype(np.float32)
+    factor = np.float32(scale) * np.float32(np.log2(np.e))
+    scores = weighted.sum(axis=-1, dtype=np.float32) * (factor / power)
+    p = np.exp2(scores - scores.max(axis=-1, keepdims=True)).astype(np.float32)
+    values = read.rotated_values if isinstance(read, DeferredRead) else read.values
+    v = _tf32(values.astype(np.float32), truncate=True)
+    out = (_tf32(p, truncate=False) @ v) / p.sum(axis=-1, keepdims=True, dtype=np.float32)
+    out = out.astype(np.float32).reshape(B, Hq, 1, -1)
+    return turboquant.unrotate(out) if isinstance(read, DeferredRead) else out
+
+
+@pytest.mark.parametrize("kernels", ["dense", "deferred"])
+@pytest.mark.parametrize("magnitude", [1e-6, 1e-3, 1e2, 3e3])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_kernel_bound_holds_a_model_of_the_group_scores_and_tells_their_offset(
+    kernels: str, magnitude: float, dtype: str
+) -> None:
+    """READ-7's kernel bound holds a NumPy model of the group scores' arithmetic, and a
+    model that takes the codes' float16 offset off as 1024, not 1152 (mutants.md's
+    cuda-turbo-group-scores-offset, which READ-1's bound lets by) leaves it."""
+    rng = np.random.default_rng(11)
+    draw = _far_zero_draw(magnitude)
+    cache = caches.TurboQuantKVCache(8, 4, kernels)
+    cache.append_window(
+        draw(rng, (1, 2, 40, 128), dtype, "keys"), draw(rng, (1, 2, 40, 128), dtype, "values")
+    )
+    read = cache.append_decode(
+        draw(rng, (1, 2, 1, 128), dtype, "keys"), draw(rng, (1, 2, 1, 128), dtype, "values")
+    )
+    queries = draw(rng, (1, 8, 1, 128), dtype, "queries")
+    scale = 128**-0.5
+    fields = cache.state().arrays
+    expected = read.attend(queries, scale).astype(np.float64)
+    values = read.rotated_values if isinstance(read, DeferredRead) else read.values
+    bound = kernel_attention_bound(queries, read.keys, values, scale, fields[1], fields[2])
+    if isinstance(read, DeferredRead):
+        bound = unrotated_bound(bound, queries, read.keys, values)
+    modelled = _group_scores_read(read, fields, queries, scale, 1152.0)
+    assert np.all(read_error(modelled, expected, read) <= bound)
+    shifted = _group_scores_read(read, fields, queries, scale, 1024.0)
+    assert np.any(read_error(shifted, expected, read) > bound)

@@ -917,6 +917,14 @@ def apply(mutant: Mutant, project: Path) -> None:
     target.write_text(text.replace(mutant.before, mutant.after))
 
 
+def copy_environment(path: Path, profile: str) -> dict[str, str]:
+    """The environment of a run on a copy linked at `path`: the copy first on the import
+    path, then what the environment already puts there (where MLX itself may live, as on a
+    machine that unpacks it apart)."""
+    search = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": search, "HYPOTHESIS_PROFILE": profile}
+
+
 def on_cuda() -> bool:
     """Whether this process's MLX runs the CUDA kernels (what a CUDA mutant needs)."""
     from kvspec.accelerated.device import fused_kernels_enabled
@@ -935,8 +943,9 @@ def run_tests(mutant: Mutant, profile: str, timeout: float) -> tuple[str, float]
             apply(mutant, project)
         except ValueError as error:
             return f"error: {error}", 0.0
-        env = {**os.environ, "PYTHONPATH": str(path), "HYPOTHESIS_PROFILE": profile}
-        probe = "import kvspec.reference.caches as c; print(c.__file__)"
+        env = copy_environment(path, profile)
+        # The tests' own imports, MLX's among them: a test that cannot import is no catch.
+        probe = "import mlx.core, kvspec.reference.caches as c; print(c.__file__)"
         where = subprocess.run(
             [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False
         )

@@ -4,6 +4,7 @@ never depends on the run's luck (the whole catalogue: docs/mutants.md)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mutants
@@ -41,6 +42,20 @@ def test_the_copy_is_what_imports(tmp_path: Path) -> None:
     project, path = mutants.copy_project(tmp_path)
     assert (path / "kvspec" / "reference").resolve() == (project / "reference").resolve()
     assert (project / "conformance" / "cache_machine.py").is_file()
+
+
+def test_a_copy_keeps_the_import_path_it_was_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy's run imports the copy first and still finds what the environment's path
+    held (MLX unpacked apart, as on the GPU machine): a run that cannot import MLX would
+    fail its tests and read as caught."""
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    env = mutants.copy_environment(tmp_path, "quick")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/opt/site"]
+    assert env["HYPOTHESIS_PROFILE"] == "quick"
+    monkeypatch.delenv("PYTHONPATH")
+    assert mutants.copy_environment(tmp_path, "quick")["PYTHONPATH"] == str(tmp_path)
 
 
 @pytest.mark.parametrize("name", FAST_SUBSET)
