@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvspec.conformance.bounds import kernel_attention_bound, read_error, unrotated_bound
 from kvspec.conformance.cache_machine import ReadLog, run_machine
 from kvspec.conformance.test_decode_step import _far_zero_draw
 from kvspec.reference import caches, turboquant
+from kvspec.reference.caches.reads import DenseRead
 from kvspec.reference.caches.turboquant import DeferredRead
 
 #: One small kind of each storage: plain, affine, ring, TurboQuant (dense and deferred).
@@ -140,3 +142,43 @@ def test_the_kernel_bound_holds_a_model_of_the_group_scores_and_tells_their_offs
     assert np.all(read_error(modelled, expected, read) <= bound)
     shifted = _group_scores_read(read, fields, queries, scale, 1024.0)
     assert np.any(read_error(shifted, expected, read) > bound)
+
+
+def _tf32_read(keys: np.ndarray, values: np.ndarray, queries: np.ndarray, scale: float):
+    """A NumPy model of READ-7's tensor-core read over float32 rows: the query times the
+    softmax scale (base 2) rounded to TF32 and each key truncated to it, float32 sums of
+    the exact products; softmax in base 2, its weights rounded and the values truncated to
+    TF32; float32 sums."""
+    B, Hq, _, D = queries.shape
+    Hk = keys.shape[1]
+    factor = np.float32(scale) * np.float32(np.log2(np.e))
+    q = _tf32(queries.astype(np.float32) * factor, truncate=False).reshape(B, Hk, Hq // Hk, D)
+    k = _tf32(keys, truncate=True)
+    scores = np.einsum("bhgd,bhtd->bhgt", q.astype(np.float64), k).astype(np.float32)
+    p = np.exp2(scores - scores.max(axis=-1, keepdims=True)).astype(np.float32)
+    out = (_tf32(p, truncate=False) @ _tf32(values, truncate=True)) / p.sum(
+        axis=-1, keepdims=True, dtype=np.float32
+    )
+    return out.astype(np.float32).reshape(B, Hq, 1, D)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    positions=st.integers(1, 300),
+    key_magnitude=st.sampled_from([1e-30, 1e-3, 1.0, 30.0, 1e20]),
+)
+def test_the_kernel_bound_holds_a_model_of_the_tf32_products(
+    seed: int, positions: int, key_magnitude: float
+) -> None:
+    """READ-7's kernel bound holds a NumPy model of the tensor cores' TF32 read over float32
+    rows, keys of every scale (the bound is 1/60 to 1/80 of READ-1's there)."""
+    rng = np.random.default_rng(seed)
+    keys = (rng.standard_normal((1, 2, positions, 128)) * key_magnitude).astype(np.float32)
+    values = rng.standard_normal((1, 2, positions, 128)).astype(np.float32)
+    queries = (rng.standard_normal((1, 8, 1, 128)) / key_magnitude).astype(np.float32)
+    scale = 128**-0.5
+    expected = DenseRead(keys, values, None).attend(queries, scale).astype(np.float64)
+    bound = kernel_attention_bound(queries, keys, values, scale)
+    error = np.abs(_tf32_read(keys, values, queries, scale) - expected)
+    assert np.all(error <= bound)
