@@ -189,13 +189,14 @@ def kernel_attention_bound(
     accumulated as the tensor cores do; F_j = 2^-39 max_d |q_d| sum_d |k_jd|, at least
     2^-151 sum_d |k_jd|, covers the group scores' float16 query elements below float16's
     normal range; G_j = a (1 + 2^-10) sum_g (64349 + 18 |zero_jg|) scale_jg
-    sum_(d in g) |q_d|, the float32 sums over a group's 32 elements of (1152 + code) times
-    the rounded query (at most 1279 of it, 34 a each: 43486) and of the query
-    (|zero - 1152| times 34 a / 2: 17 (1152 + |zero|)) and the rounding of their combination
-    (1279 + |zero|), which cancel 1152 Q_g and zero_jg Q_g against each other. The output is
-    then within
-    max_j |v_j| (expm1(2e) + 4u + 3r + (2T + 16) a) + tau: weights rounded and values
-    truncated to TF32, exp2 and the float32 sums of T positions, splits and their merge.
+    sum_(d in g) |q_d| covers the group scores' float32 sums, whose cancellation of
+    1152 Q_g and zero_jg Q_g the scale multiplies: P's 32 products with 1152 + code, each at
+    most 1279 |q_d|, 34 a each (34 * 1279 = 43486); Q's sum, 34 a / 2 each, times
+    |zero - 1152| <= 1152 + |zero| (17 * 1152 = 19584, and 17 |zero|); the rounding of
+    P + (zero - 1152) Q (1279 + |zero|); (1 + 2^-10) for the query's rounding to float16.
+    The output is then within max_j |v_j| (expm1(2e) + 4u + 3r + (2T + 16) a) + tau:
+    weights rounded and values truncated to TF32, exp2 and the float32 sums of T positions,
+    splits and their merge.
     """
     u = unit_roundoff(keys.dtype)
     B, Hq, N, D = queries.shape

@@ -325,7 +325,7 @@ def test_decode_read_at_every_head_dim_is_within_bound(
     _assert_reads_within_bound(backend, factory, head_dim, dtype, 4, [40, 1, 1], "each")
 
 
-def _far_zero_draw(magnitude: float):
+def far_zero_draw(magnitude: float):
     """Keys whose 32-element groups lie close about means of either sign, about `magnitude`
     (TurboQuant zero points up to about 40000 from float32 keys and 64000 from bfloat16,
     near float16's limit: TQ-4), some groups crossing zero; queries of about 0.1 /
@@ -371,7 +371,7 @@ def test_turboquant_reads_of_far_zero_points_and_extreme_queries_are_within_boun
         4,
         [40, 1, 1],
         "each",
-        _far_zero_draw(magnitude),
+        far_zero_draw(magnitude),
         key_groups=True,
     )
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvspec.conformance.bounds import kernel_attention_bound, read_error, unrotated_bound
 from kvspec.conformance.cache_machine import ReadLog, run_machine
-from kvspec.conformance.test_decode_step import _far_zero_draw
+from kvspec.conformance.test_decode_step import far_zero_draw
 from kvspec.reference import caches, turboquant
 from kvspec.reference.caches.reads import DenseRead
 from kvspec.reference.caches.turboquant import DeferredRead
@@ -122,7 +122,7 @@ def test_the_kernel_bound_holds_a_model_of_the_group_scores_and_tells_their_offs
     model that takes the codes' float16 offset off as 1024, not 1152 (mutants.md's
     cuda-turbo-group-scores-offset, which READ-1's bound lets by) leaves it."""
     rng = np.random.default_rng(11)
-    draw = _far_zero_draw(magnitude)
+    draw = far_zero_draw(magnitude)
     cache = caches.TurboQuantKVCache(8, 4, kernels)
     cache.append_window(
         draw(rng, (1, 2, 40, 128), dtype, "keys"), draw(rng, (1, 2, 40, 128), dtype, "values")

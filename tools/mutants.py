@@ -950,7 +950,8 @@ def run_tests(mutant: Mutant, profile: str, timeout: float) -> tuple[str, float]
             [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False
         )
         if not where.stdout.startswith(str(path)):
-            return f"error: the copy is not what imports ({where.stdout.strip()})", 0.0
+            said = (where.stdout + where.stderr).strip().splitlines()[-1:]
+            return f"error: the copy is not what imports ({' '.join(said)})", 0.0
         command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
         began = time.monotonic()
         try:
