@@ -2,7 +2,7 @@
 end zero. The MLX storages keep their fields in one record per cache
 (accelerated/caches/records.py) and the CUDA encoders write one: on MLX's CUDA backend
 every array an op takes or makes costs the host time at every decode step
-(docs/performance.md). A record holds the fields' own bits; the stored format is theirs."""
+(docs/performance-log.md). A record holds the fields' own bits; the stored format is theirs."""
 
 from __future__ import annotations
 

@@ -213,6 +213,29 @@ def _kernels_on_cuda(backend: Backend) -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+def _read_by_kernels(backend: Backend, read, query_heads: int) -> bool:
+    """Whether the MLX backend's decode-attention kernels answer `read` (READ-7)."""
+    if not _kernels_on_cuda(backend):
+        return False
+    from kvspec.accelerated import attention_kernels
+    from kvspec.accelerated.device import fused_kernels_enabled
+
+    _, kv_heads, _, keys, values, _ = attention_kernels.stored_formats(read.stored)
+    return fused_kernels_enabled() and attention_kernels.supported(
+        keys, values, kv_heads, query_heads
+    )
+
+
+def _key_groups(ref: caches.Cache) -> tuple[np.ndarray, np.ndarray] | tuple[()]:
+    """The stored float16 key scales and zeros of a reference TurboQuant cache of 8-bit keys,
+    for the kernel bound's group-score term (READ-7); nothing for other storage."""
+    storage = ref.storage if isinstance(ref, caches.Bf16FirstCache) else ref
+    if not isinstance(storage, caches.TurboQuantKVCache) or storage.k_bits != 8:
+        return ()
+    _, key_scales, key_zeros, *_ = storage.state().arrays
+    return key_scales, key_zeros
+
+
 def _assert_reads_within_bound(
     backend: Backend,
     factory,
@@ -222,15 +245,13 @@ def _assert_reads_within_bound(
     lengths: list[int],
     body: str,
     draw=_normal_draw,
-    key_groups: bool = False,
 ) -> None:
     """Appends `lengths` (a window for L > 1, a decode step for L = 1) to a reference cache
     and one of the backend's, and holds each decode read to READ-1's bound of the reference's
-    (READ-7). body: "default", "cuda-cores", or "each": the default and, where the kernels
-    would take the read on tensor cores, their CUDA-core body too. `draw(rng, shape, dtype,
-    role)` makes the "keys", "values" and "queries". With `key_groups` (TurboQuant's 8-bit
-    keys) the reads the CUDA kernels answer are held to READ-7's tighter kernel bound, with
-    the group scores' term of the stored key scales and zeros."""
+    (READ-7), and each read the CUDA kernels answer to READ-7's tighter kernel bound. body:
+    "default", "cuda-cores", or "each": the default and, where the kernels would take the
+    read on tensor cores, their CUDA-core body too. `draw(rng, shape, dtype, role)` makes
+    the "keys", "values" and "queries"."""
     rng = np.random.default_rng(groups)
     ref, acc = factory(caches), factory(backend.module("caches"))
     for L in lengths:
@@ -251,13 +272,14 @@ def _assert_reads_within_bound(
         ):
             attends.append(partial(_cuda_core_attend, got))
         values = want.rotated_values if isinstance(want, DeferredRead) else want.values
-        if key_groups and _kernels_on_cuda(backend):
-            _, key_scales, key_zeros, *_ = ref.state().arrays
-            bound = kernel_attention_bound(queries, want.keys, values, scale, key_scales, key_zeros)
-        else:
-            bound = attention_bound(queries, want.keys, values, scale, backend.attention_roundoff)
+        bounds = [attention_bound(queries, want.keys, values, scale, backend.attention_roundoff)]
+        if _read_by_kernels(backend, got, queries.shape[1]):
+            bounds.append(
+                kernel_attention_bound(queries, want.keys, values, scale, *_key_groups(ref))
+            )
         if isinstance(want, DeferredRead):
-            bound = unrotated_bound(bound, queries, want.keys, values)
+            bounds = [unrotated_bound(b, queries, want.keys, values) for b in bounds]
+        bound = np.minimum.reduce(bounds)
         for attend in attends:
             actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
             assert actual.shape == expected.shape
@@ -372,7 +394,6 @@ def test_turboquant_reads_of_far_zero_points_and_extreme_queries_are_within_boun
         [40, 1, 1],
         "each",
         far_zero_draw(magnitude),
-        key_groups=True,
     )
 
 
@@ -447,7 +468,7 @@ def test_a_decode_read_of_one_row_at_every_head_dim_returns_its_values_as_decode
 def test_a_decode_append_writes_its_rows_at_a_static_start(backend: Backend, kind: str) -> None:
     """CACHE-3, RING-2 on MLX: the graph of a decode read writes the new row with static
     slice updates. An update whose start is an array (DynamicSliceUpdate) stores the same
-    bits but cost about 0.5 ms per layer on MLX's CUDA backend (docs/performance.md)."""
+    bits but cost about 0.5 ms per layer on MLX's CUDA backend (docs/performance-log.md)."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's graph")
     import io

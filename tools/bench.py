@@ -573,7 +573,7 @@ def rate_rows(rows: list[Row], bandwidth: float) -> list[Row]:
     that each context's floor counts (graph building aside, MLX's evaluation and the
     launches), where both contexts' reads are bound by their kernels. A short context's read
     is bound by those costs instead, and the time added from it understates what the bytes
-    cost (on the H200, 4k: docs/performance.md)."""
+    cost (on the H200, 4k: docs/performance-log.md)."""
     reads: dict[str, list[Row]] = {}
     for row in rows:
         if row.table == "attend":

@@ -124,7 +124,7 @@ def eval_rows(calls: int) -> list[tuple[str, float]]:
                 )
             )
         # Many arrays in one op: what one launch writing five fields costs against five
-        # slice writes (docs/performance.md, "A tail of decode rows").
+        # slice writes (docs/performance-log.md, "A tail of decode rows").
         wide = stand_in("wide", 10, 5)
         inputs = [x + i for i in range(10)]
         mx.eval(inputs)
@@ -149,7 +149,7 @@ def eval_rows(calls: int) -> list[tuple[str, float]]:
 
     rows.append(("eval 32 slice writes in place, per write", per_call(writes, rounds) / 32))
     # An array start makes the write MLX's DynamicSliceUpdate, whose CUDA copy runs one
-    # thread per element of the whole buffer (docs/performance.md).
+    # thread per element of the whole buffer (docs/performance-log.md).
     start = mx.array([7])
 
     def dynamic_writes() -> None:
@@ -217,7 +217,7 @@ def launch(
 #: records), in one record per row (as stored now), and in one record with the split merge
 #: folded into the attention launch (its last split of a head merging, counted in an
 #: output that MLX zeroes: every output of the launch is then filled before it runs; on
-#: the H200 that step was slower, and the fold was not kept: docs/performance.md).
+#: the H200 that step was slower, and the fold was not kept: docs/performance-log.md).
 STEP_VARIANTS = {
     "fields apart": "apart",
     "fields in one record": "record",

@@ -1,6 +1,6 @@
 """One decode read of one cache, evaluated a few times over, for a profiler to time its
 kernels: Nsight Compute on the GPU machine, where MLX runs the read's pass-1 kernel and its
-merge once per evaluation (docs/performance.md, "What bounds the quantized reads").
+merge once per evaluation (docs/performance-log.md, "What bounds the quantized reads").
 
     ncu --kernel-name regex:decode_attention --launch-skip 2 --launch-count 1 \\
         --section WarpStateStats --section SchedulerStats --section Occupancy \\

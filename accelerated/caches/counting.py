@@ -4,7 +4,7 @@ position and active length) as int32 [1] arrays in device memory.
 MLX keeps an array of 8 bytes or less in a small pool of host memory (MLX 0.32's CUDA
 allocator), so a count made from host data is read across the bus by every block of every
 read that needs it before it knows its rows: up to 10 us a layer of a read on an H200, of
-which a decode step keeps 1-3 (docs/performance.md, "The live row count in device
+which a decode step keeps 1-3 (docs/performance-log.md, "The live row count in device
 memory"). Here the device makes a table of 0, 1, 2, ... once, and a count is a one-element
 view of it, which a kernel reads at its offset in the table's buffer. The views are made
 and their evaluation started a block at a time, ahead of the steps that ask for them, so

@@ -387,7 +387,7 @@ def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:
     fetch or state holding the old ones needs no copy. (Evaluated, an update still writes
     its buffer in place when nothing else holds it.) The start is a Python int, a static
     slice write: mx.slice_update with an array start costs about 0.5 ms per layer on MLX's
-    CUDA backend (0.32.4, docs/performance.md)."""
+    CUDA backend (0.32.4, docs/performance-log.md)."""
     written = []
     for field, part in zip(fields, parts, strict=True):
         field = copy.copy(field)
