@@ -9,7 +9,8 @@ Each element is decoded in registers to exactly the operand the reference's atte
 sees (AFF-6's two roundings in the scales' format, TQ-5's `(code + zero) * scale`, TQ-8's
 `centroid * scale` in the rotated domain), so only the attention arithmetic itself
 departs from the reference, within READ-1's bound; TurboQuant's 8-bit keys on tensor
-cores enter as their codes, and each group's zero and scale complete its partial score.
+cores enter as their codes, and each group's zero and scale complete its partial score;
+so do affine values there, their scales in the weights and their biases summed apart.
 
 Pass 1 (split-K, as FlashDecoding): the positions are cut into splits; a block of
 WARPS warps takes one split of one KV head and serves every query head that reads that
@@ -25,7 +26,11 @@ and write one partial (max, sum, weighted values) per split. Pass 1 has two bodi
   keys, group by group: a lane holds 8 codes of each 32-element group (each k-step in
   one group) as float16 1152 + code, against the query scaled by its head's power of two
   and rounded to float16, and the lane that holds a score applies each group's zero
-  (times the group's query sum) and scale to the group's partial sum;
+  (times the group's query sum) and scale to the group's partial sum; affine values of
+  2, 4 or 8 bits (`scaled_weights`) enter as their codes, 2^bits + code, against each
+  weight times its row's group scale, the value MMA's columns being query heads of one
+  group each (a query head's row repeated in the score MMA for each group), and the
+  weights times the biases are summed apart: a decode of two instructions an element;
 - on CUDA cores: lane l of a warp owns elements [l E, l E + E) of a row (E = D / 32); a
   warp takes every WARPS-th position of the split, STAGE at a time, loading the next
   stage's raw words before it decodes this one; the stage's dot products reduce together
@@ -126,7 +131,7 @@ def _merge_call(rotated: bool) -> str:
 # The template constants of pass 1 (_plan) in the order partial_pass takes them.
 _PARTIAL_CONSTANTS = (
     "QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS, KGROUP, VFMT, VBITS, VGROUP, "
-    "TABLE, SCALE_BITS"
+    "TABLE, SCALE_BITS, SCALED"
 )
 
 
@@ -389,6 +394,17 @@ def tensor_core_fit(keys: SideFormat | StoredSide, values: SideFormat | StoredSi
     return fits(keys, 4) and fits(values, 8)
 
 
+def scaled_weights(values: SideFormat | StoredSide, group: int) -> bool:
+    """Whether the tensor-core body reads these values with their scales in the weights
+    (READ-7's scaled weights): affine codes of 2, 4 or 8 bits whose share a lane holds (D / 8
+    elements) fills whole words, where the value MMA's 8 columns hold each of the `group`
+    query heads once for each group a row of D / 8 lanes spans (D / group_size groups)."""
+    if values.fmt != AFFINE or values.bits not in (2, 4, 8):
+        return False
+    share = values.dim // 8
+    return share * values.bits % 32 == 0 and group * values.dim <= 8 * values.group_size
+
+
 def _splits(T: int, blocks_per_split: int) -> int:
     # About one resident wave of blocks (TARGET_BLOCKS); no split shorter than MIN_SPLIT.
     wanted = max(1, math.ceil(TARGET_BLOCKS / blocks_per_split))
@@ -452,6 +468,7 @@ def _plan(
         ("VGROUP", v_group),
         ("TABLE", table_size),
         ("SCALE_BITS", scale_bits),
+        ("SCALED", scaled_weights(SideFormat(*values), group)),
     ]
     merge = [
         ("DV", DV),

@@ -114,16 +114,24 @@ def _output_bound(
     values: np.ndarray,
     score_error: np.ndarray,
     slack: float,
+    value_magnitude: np.ndarray | None = None,
 ) -> np.ndarray:
     """max_j |v_j| (expm1(2e) + slack) + tau [B, Hq, N, 1] for score errors e
-    [B, Hk, G, N], tau the keys' format's smallest subnormal."""
+    [B, Hk, G, N], tau the keys' format's smallest subnormal; with `value_magnitude` W
+    [B, Hk] (the terms a read sums, where they exceed the values), max_j |v_j| expm1(2e) +
+    max(W, max_j |v_j|) slack (1 + expm1(2e)) + tau."""
     B, Hq, N, _ = queries.shape
     largest_value = np.abs(values.astype(np.float64)).max(axis=(-2, -1))[:, :, None, None]
     tau = smallest_subnormal(keys.dtype)
     # Scores near float32's limit have an error bound past float64's, and values near it
     # a bound that overflows with it: no bound (inf), as the formula says.
     with np.errstate(over="ignore"):
-        bound = largest_value * (np.expm1(2 * score_error) + slack) + tau
+        moved = np.expm1(2 * score_error)
+        if value_magnitude is None:
+            bound = largest_value * (moved + slack) + tau
+        else:
+            terms = np.maximum(largest_value, value_magnitude[:, :, None, None])
+            bound = largest_value * moved + terms * slack * (1 + moved) + tau
     return bound.reshape(B, Hq, N, 1)
 
 
@@ -178,10 +186,13 @@ def kernel_attention_bound(
     scale: float,
     key_scales: np.ndarray | None = None,
     key_zeros: np.ndarray | None = None,
+    value_groups: tuple[np.ndarray, np.ndarray, int] | None = None,
 ) -> np.ndarray:
     """Per-output bound on |decode-attention kernel - reference attention| (READ-7's kernel
     bound), float64, broadcastable to [B, Hq, N, Dv]; with the float16 key scales and zeros
-    [B, Hk, T, D / 32] of TurboQuant's 8-bit keys, for their group scores.
+    [B, Hk, T, D / 32] of TurboQuant's 8-bit keys, for their group scores; with the
+    stored scales and biases [B, Hk, T, Dv / group] and bits of affine values read with
+    scaled weights, for those.
 
     With r = 2^-11, a = 2^-23 and u the unit roundoff of the keys' dtype, each score may be
     off by e = scale * max_j (sum_d |q_d k_jd| (2u + 3r + (D + 4) a) + F_j + G_j): the
@@ -197,6 +208,16 @@ def kernel_attention_bound(
     The output is then within max_j |v_j| (expm1(2e) + 4u + 3r + (2T + 16) a) + tau:
     weights rounded and values truncated to TF32, exp2 and the float32 sums of T positions,
     splits and their merge.
+
+    Scaled weights (affine values of n = 2^bits - 1 levels, their codes c entering as
+    2^bits + c, each weight p times its group's scale s rounded to TF32 as B, the sum of
+    p b - 2^bits B apart): a position's term B c + p b is within p (r + 3u) (|s c| + |b|)
+    of p v, v = T(T(s c) + b) (B's rounding, 2^-24 for p s before it, and v's two
+    roundings), and the float32 sums of the codes' products and of the biases' terms, T
+    positions each and their final sum, hold terms up to p ((2^(bits + 1) + n) |s| + |b|).
+    The weights' error moves the output by max_j |v_j| expm1(2e) as before; with W the
+    larger of max_j |v_j| and the largest 3 2^bits |s| + |b| of a stored group, the output
+    is within max_j |v_j| expm1(2e) + W (7u + 4r + (4T + 33) a) (1 + expm1(2e)) + tau.
     """
     u = unit_roundoff(keys.dtype)
     B, Hq, N, D = queries.shape
@@ -212,8 +233,16 @@ def kernel_attention_bound(
         weights = ACCUMULATION_ROUNDOFF * (64349 + 18 * zeros) * (1 + 2.0**-10) * scales
         query_groups = q.reshape(B, Hk, Hq // Hk, N, D // 32, 32).sum(axis=-1)[..., None, :]
         score = score + (weights * query_groups).sum(axis=-1)
-    slack = 4 * u + 3 * KERNEL_ROUNDOFF + (2 * T + 16) * ACCUMULATION_ROUNDOFF
-    return _output_bound(queries, keys, values, scale * score.max(axis=-1), slack)
+    score_error = scale * score.max(axis=-1)
+    if value_groups is None:
+        slack = 4 * u + 3 * KERNEL_ROUNDOFF + (2 * T + 16) * ACCUMULATION_ROUNDOFF
+        return _output_bound(queries, keys, values, score_error, slack)
+    value_scales, value_biases, bits = value_groups
+    groups = 3 * 2**bits * np.abs(value_scales.astype(np.float64)) + np.abs(
+        value_biases.astype(np.float64)
+    )
+    slack = 7 * u + 4 * KERNEL_ROUNDOFF + (4 * T + 33) * ACCUMULATION_ROUNDOFF
+    return _output_bound(queries, keys, values, score_error, slack, groups.max(axis=(-2, -1)))
 
 
 def read_error(actual: np.ndarray, expected: np.ndarray, read: DenseRead | DeferredRead):

@@ -111,10 +111,13 @@ def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) ->
     # A record variant reads every field of the record at its offset: TurboQuant values have
     # no biases (-1). Its only stored inputs are the record and the slot's record row.
     record = calls["attention pass 1 turboquant mma=True counted=True slot=True record"][0]
-    assert "SCALE_BITS, 16, 32, 48, 64, 80, -1>(" in record
+    assert "SCALE_BITS, SCALED, 16, 32, 48, 64, 80, -1>(" in record
     assert "new_record, new_record_strides" in record and "k_codes" not in record
     plain = calls["attention pass 1 plain mma=False counted=False slot=False record"][0]
-    assert "SCALE_BITS, 16, -1, -1, 32, -1, -1>(" in plain and "nullptr, record_strides" in plain
+    assert (
+        "SCALE_BITS, SCALED, 16, -1, -1, 32, -1, -1>(" in plain
+        and "nullptr, record_strides" in plain
+    )
 
 
 def test_an_included_file_is_named_by_its_path_and_its_contents(

@@ -24,7 +24,7 @@ from kvspec.conformance.bounds import (
 )
 from kvspec.conformance.cache_machine import assert_same_state
 from kvspec.conformance.compare import assert_same_bits, rank_of
-from kvspec.reference import affine, caches, turboquant
+from kvspec.reference import affine, bits, caches, turboquant
 from kvspec.reference.caches.turboquant import DeferredRead
 from kvspec.reference.deferred import failure_message
 from kvspec.reference.dtypes import FLOAT_DTYPES
@@ -205,6 +205,17 @@ def _on_tensor_cores(read) -> bool:
     return attention_kernels.tensor_core_fit(keys, values)
 
 
+def _with_scaled_weights(read, query_heads: int) -> bool:
+    """Whether the MLX backend's kernels read a read's values by default with their scales in
+    the weights (READ-7's scaled weights: the tensor-core body over affine values)."""
+    from kvspec.accelerated import attention_kernels
+
+    _, kv_heads, _, _, values, _ = attention_kernels.stored_formats(read.stored)
+    return _on_tensor_cores(read) and attention_kernels.scaled_weights(
+        values, query_heads // kv_heads
+    )
+
+
 def _kernels_on_cuda(backend: Backend) -> bool:
     if backend.package != "kvspec.accelerated":
         return False
@@ -234,6 +245,15 @@ def _key_groups(ref: caches.Cache) -> tuple[np.ndarray, np.ndarray] | tuple[()]:
         return ()
     _, key_scales, key_zeros, *_ = storage.state().arrays
     return key_scales, key_zeros
+
+
+def _value_groups(ref: caches.Cache) -> tuple[np.ndarray, np.ndarray, int]:
+    """The stored value scales and biases of a reference affine cache and its bits, for the
+    kernel bound of scaled weights (READ-7)."""
+    storage = ref.storage if isinstance(ref, caches.Bf16FirstCache) else ref
+    assert isinstance(storage, caches.QuantizedKVCache | caches.RotatingQuantizedKVCache)
+    *_, value_scales, value_biases = storage.state().arrays
+    return value_scales, value_biases, storage.bits
 
 
 def _assert_reads_within_bound(
@@ -266,21 +286,34 @@ def _assert_reads_within_bound(
         got = acc.append_decode(backend.from_numpy(k), backend.from_numpy(v))
         scale = head_dim**-0.5
         expected = want.attend(queries, scale).astype(np.float64)
-        attends = [got.attend] if body != "cuda-cores" else []
+        by_kernels = _read_by_kernels(backend, got, queries.shape[1])
+        # Each attend, and whether the kernels read its values with scaled weights.
+        attends = []
+        if body != "cuda-cores":
+            attends.append((got.attend, by_kernels and _with_scaled_weights(got, 2 * groups)))
         if body == "cuda-cores" or (
             body == "each" and _kernels_on_cuda(backend) and _on_tensor_cores(got)
         ):
-            attends.append(partial(_cuda_core_attend, got))
+            attends.append((partial(_cuda_core_attend, got), False))
         values = want.rotated_values if isinstance(want, DeferredRead) else want.values
-        bounds = [attention_bound(queries, want.keys, values, scale, backend.attention_roundoff)]
-        if _read_by_kernels(backend, got, queries.shape[1]):
-            bounds.append(
-                kernel_attention_bound(queries, want.keys, values, scale, *_key_groups(ref))
-            )
-        if isinstance(want, DeferredRead):
-            bounds = [unrotated_bound(b, queries, want.keys, values) for b in bounds]
-        bound = np.minimum.reduce(bounds)
-        for attend in attends:
+        read_one = attention_bound(queries, want.keys, values, scale, backend.attention_roundoff)
+        for attend, scaled in attends:
+            bounds = [read_one]
+            if by_kernels:
+                value_groups = _value_groups(ref) if scaled else None
+                bounds.append(
+                    kernel_attention_bound(
+                        queries,
+                        want.keys,
+                        values,
+                        scale,
+                        *_key_groups(ref),
+                        value_groups=value_groups,
+                    )
+                )
+            if isinstance(want, DeferredRead):
+                bounds = [unrotated_bound(b, queries, want.keys, values) for b in bounds]
+            bound = np.minimum.reduce(bounds)
             actual = backend.to_numpy(attend(backend.from_numpy(queries), scale))
             assert actual.shape == expected.shape
             error = read_error(actual, expected, want)
@@ -373,6 +406,50 @@ def far_zero_draw(magnitude: float):
     return draw
 
 
+def rising_scores_draw(positions: int, rise: float):
+    """Keys along one direction whose scores rise from 0 to `rise` over the first
+    `positions` positions, alike for every query head (queries of ones): each chunk a read
+    takes raises the heads' maxima, so whatever a read has summed is rescaled at every
+    step; values about 5 (affine biases far from 0)."""
+    drawn = 0
+
+    def draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, role: str):
+        nonlocal drawn
+        D = shape[-1]
+        if role == "keys":
+            score = rise * np.arange(drawn, drawn + shape[2]) / positions
+            drawn += shape[2]
+            direction = score[:, None] / np.sqrt(D)
+            x = direction * (1 + 0.01 * rng.standard_normal(shape))
+            return x.astype(FLOAT_DTYPES[dtype])
+        if role == "queries":
+            return np.ones(shape, FLOAT_DTYPES[dtype])
+        return (5 + rng.standard_normal(shape)).astype(FLOAT_DTYPES[dtype])
+
+    return draw
+
+
+@pytest.mark.parametrize("kind", ["kv", "affine-4-64", "affine-8-32", "turbo-k8v4-dense"])
+def test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound(
+    backend: Backend, kind: str
+) -> None:
+    """READ-7's split softmax rescales what a warp has summed each time a maximum rises (the
+    values' sums, and with scaled weights their biases' too): scores rising by 8 over 250
+    positions. On CUDA a read of fewer rows than its buffer holds is cut into splits by the
+    buffer's length (COMPILE-4), four here, of 63 positions: two chunks of 8 or more a warp,
+    where a window of 40 gives each warp one chunk and never rescales within a warp."""
+    _assert_reads_within_bound(
+        backend,
+        READ_KINDS[kind],
+        128,
+        "bfloat16",
+        4,
+        [248, 1, 1],
+        "each",
+        rising_scores_draw(250, 8.0),
+    )
+
+
 @pytest.mark.parametrize("kernels", ["dense", "deferred"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -423,22 +500,57 @@ def test_a_decode_read_of_one_row_returns_its_values_as_decoded(
     expected, read, queries, scale = _one_row_read(backend, READ_KINDS[kind], head_dim, dtype)
     attend = read.attend if body == "default" else partial(_cuda_core_attend, read)
     actual = backend.to_numpy(attend(queries, scale))
-    assert_same_bits(actual.astype(expected.dtype), expected, kind)
+    wanted = expected(body == "default")
+    assert_same_bits(actual.astype(wanted.dtype), wanted, kind)
+
+
+#: Query heads of the one-row reads, over 2 KV heads.
+ONE_ROW_QUERY_HEADS = 8
 
 
 def _one_row_read(backend: Backend, factory, head_dim: int, dtype: str):
-    """One position appended to a reference cache and to one of the backend's: the
-    reference's attention over it (float64), the backend's read, its queries and scale."""
+    """One position appended to a reference cache and to one of the backend's: what the
+    backend's read returns over it as a function of whether the read is by its default body
+    (the reference's attention, float32, or where the kernels' default body reads the
+    values with scaled weights, `_scaled_weights_row`), the backend's read, its queries and
+    scale."""
     rng = np.random.default_rng(7)
     k = _normal(rng, (1, 2, 1, head_dim), dtype)
     v = _normal(rng, (1, 2, 1, head_dim), dtype)
-    queries = _normal(rng, (1, 8, 1, head_dim), dtype)
-    want = _reference_read(factory(caches), k, v)
+    queries = _normal(rng, (1, ONE_ROW_QUERY_HEADS, 1, head_dim), dtype)
+    ref = factory(caches)
+    want = _reference_read(ref, k, v)
     read = factory(backend.module("caches")).append_decode(
         backend.from_numpy(k), backend.from_numpy(v)
     )
     scale = head_dim**-0.5
-    return want.attend(queries, scale), read, backend.from_numpy(queries), scale
+    attention = want.attend(queries, scale)
+    scaled = _kernels_on_cuda(backend) and _with_scaled_weights(read, ONE_ROW_QUERY_HEADS)
+
+    def expected(default_body: bool) -> np.ndarray:
+        if default_body and scaled:
+            return _scaled_weights_row(ref, ONE_ROW_QUERY_HEADS, dtype)
+        return attention
+
+    return expected, read, backend.from_numpy(queries), scale
+
+
+def _scaled_weights_row(ref: caches.Cache, query_heads: int, dtype: str) -> np.ndarray:
+    """READ-7's scaled weights over one stored row, whose weight is exactly 1: each value is
+    s (2^bits + c) + (b - 2^bits s) in float32, s (2^bits + c) exact and b - 2^bits s
+    rounded once, then rounded to the output's format `dtype` [1, query_heads, 1, Dv]."""
+    value_scales, value_biases, value_bits = _value_groups(ref)
+    storage = ref.storage if isinstance(ref, caches.Bf16FirstCache) else ref
+    words = storage.state().arrays[3]
+    dim = words.shape[-1] * 32 // value_bits
+    codes = bits.unpack_words(words, value_bits, dim).astype(np.float32)
+    per_element = dim // value_scales.shape[-1]
+    s = np.repeat(value_scales.astype(np.float32), per_element, axis=-1)
+    b = np.repeat(value_biases.astype(np.float32), per_element, axis=-1)
+    offset = np.float32(2**value_bits)
+    row = s * (offset + codes) + (b - offset * s)
+    heads = np.repeat(row, query_heads // row.shape[1], axis=1)
+    return heads.astype(FLOAT_DTYPES[dtype]).astype(np.float32)
 
 
 @pytest.mark.parametrize("kind", sorted(HEAD_DIM_KINDS))
@@ -456,12 +568,14 @@ def test_a_decode_read_of_one_row_at_every_head_dim_returns_its_values_as_decode
     expected, read, queries, scale = _one_row_read(backend, factory, head_dim, dtype)
     on_tensor_cores = _kernels_on_cuda(backend) and _on_tensor_cores(read)
     values_float32 = dtype == "float32" or kind.startswith("turbo")
-    attends = [] if on_tensor_cores and values_float32 else [read.attend]
+    # Each attend, and whether it is the default body's.
+    attends = [] if on_tensor_cores and values_float32 else [(read.attend, True)]
     if on_tensor_cores:
-        attends.append(partial(_cuda_core_attend, read))
-    for attend in attends:
+        attends.append((partial(_cuda_core_attend, read), False))
+    for attend, default_body in attends:
         actual = backend.to_numpy(attend(queries, scale))
-        assert_same_bits(actual.astype(expected.dtype), expected, f"{kind} at {head_dim}")
+        wanted = expected(default_body)
+        assert_same_bits(actual.astype(wanted.dtype), wanted, f"{kind} at {head_dim}")
 
 
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))

@@ -18,12 +18,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvspec.conformance.bounds import kernel_attention_bound, read_error, unrotated_bound
+from kvspec.conformance.bounds import (
+    KERNEL_ROUNDOFF,
+    attention_bound,
+    kernel_attention_bound,
+    read_error,
+    unrotated_bound,
+)
 from kvspec.conformance.cache_machine import ReadLog, run_machine
 from kvspec.conformance.test_decode_step import far_zero_draw
+from kvspec.reference import bits as np_bits
 from kvspec.reference import caches, turboquant
 from kvspec.reference.caches.reads import DenseRead
 from kvspec.reference.caches.turboquant import DeferredRead
+from kvspec.reference.dtypes import FLOAT_DTYPES
 
 #: One small kind of each storage: plain, affine, ring, TurboQuant (dense and deferred).
 KINDS = st.sampled_from(
@@ -182,3 +190,91 @@ def test_the_kernel_bound_holds_a_model_of_the_tf32_products(
     bound = kernel_attention_bound(queries, keys, values, scale)
     error = np.abs(_tf32_read(keys, values, queries, scale) - expected)
     assert np.all(error <= bound)
+
+
+def _scaled_weights_read(read, fields, bits: int, queries: np.ndarray, scale: float, offset):
+    """A NumPy model of READ-7's tensor-core read over affine values with scaled weights,
+    step by step in the kernels' formats: float32 scores of the keys as decoded, softmax in
+    base 2; B = each weight times its group's value scale, rounded to TF32; float32 sums of
+    B (2^bits + code) and of p b - `offset` B (one rounding each, as the fused
+    multiply-add); the output their sum over the weights' sum. `offset` 2^bits is the
+    kernels' (the codes' own offset)."""
+    *_, words, value_scales, value_biases = (np.asarray(f) for f in fields)
+    B, Hq, _, D = queries.shape
+    Hk = words.shape[1]
+    codes = np_bits.unpack_words(words, bits, D).astype(np.float32)  # [B, Hk, T, D]
+    per_group = D // value_scales.shape[-1]
+    s = np.repeat(value_scales.astype(np.float32), per_group, axis=-1)
+    b = np.repeat(value_biases.astype(np.float32), per_group, axis=-1)
+    q = queries.astype(np.float64).reshape(B, Hk, Hq // Hk, D)
+    scores = np.einsum("bhgd,bhtd->bhgt", q, read.keys.astype(np.float64)).astype(np.float32)
+    factor = np.float32(scale) * np.float32(np.log2(np.e))
+    scores = scores * factor
+    p = np.exp2(scores - scores.max(axis=-1, keepdims=True)).astype(np.float32)
+    # [B, Hk, G, T, D]: each position's weight times its element's group scale, in TF32.
+    weights = _tf32(p[..., None] * s[:, :, None], truncate=False)
+    products = (weights * (np.float32(2**bits) + codes[:, :, None])).sum(axis=-2, dtype=np.float32)
+    bias_terms = (
+        p[..., None].astype(np.float64) * b[:, :, None] - offset * weights.astype(np.float64)
+    ).astype(np.float32)
+    biases = bias_terms.sum(axis=-2, dtype=np.float32)
+    out = (products + biases) / p.sum(axis=-1, dtype=np.float32)[..., None]
+    return out.astype(np.float32).reshape(B, Hq, 1, D)
+
+
+#: Value magnitudes by the values' format: its range's ends and its middle.
+SCALED_MAGNITUDES = {"bfloat16": [1e-30, 1e-3, 1.0, 30.0, 1e30], "float16": [1e-3, 1.0, 300.0]}
+
+
+def _scaled_values(rng: np.random.Generator, shape: tuple[int, ...], spread: str) -> np.ndarray:
+    """Values of unit scale: "centred" on 0; "shifted", each row about a centre of its own
+    (biases far from the codes' products, which then cancel them); or "nonnegative", in
+    [0, 1), whose groups all take negative scales (AFF-3: the maximum is their edge)."""
+    if spread == "nonnegative":
+        return rng.uniform(0, 1, shape)
+    centre = rng.standard_normal((*shape[:-1], 1)) * 3 if spread == "shifted" else 0.0
+    return rng.standard_normal(shape) + centre
+
+
+@pytest.mark.parametrize("dtype", sorted(SCALED_MAGNITUDES))
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    positions=st.integers(2, 120),
+    layout=st.sampled_from([(4, 64), (2, 32), (8, 32), (4, 128)]),
+    pick=st.integers(0, 4),
+    spread=st.sampled_from(["centred", "shifted", "nonnegative"]),
+)
+def test_the_kernel_bound_holds_a_model_of_the_scaled_weights_and_tells_their_offset(
+    dtype: str, seed: int, positions: int, layout: tuple[int, int], pick: int, spread: str
+) -> None:
+    """READ-7's kernel bound for scaled weights, and READ-1's, hold a NumPy model of their
+    arithmetic over affine values of every scale and spread (`_scaled_values`); over
+    nonnegative values a model that drops the codes' offset (2^bits B) leaves them. (Where
+    scales of both signs meet, that fault's error, 2^bits times the weights' mean scale,
+    may cancel below the bound.)"""
+    bits, group_size = layout
+    magnitudes = SCALED_MAGNITUDES[dtype]
+    magnitude = magnitudes[pick % len(magnitudes)]
+    rng = np.random.default_rng(seed)
+    shape = (1, 2, positions, 128)
+    keys = rng.standard_normal(shape).astype(FLOAT_DTYPES[dtype])
+    values = (_scaled_values(rng, shape, spread) * magnitude).astype(FLOAT_DTYPES[dtype])
+    cache = caches.QuantizedKVCache(group_size, bits)
+    cache.append_window(keys[:, :, :-1], values[:, :, :-1])
+    read = cache.append_decode(keys[:, :, -1:], values[:, :, -1:])
+    queries = rng.standard_normal((1, 8, 1, 128)).astype(FLOAT_DTYPES[dtype])
+    scale = 128**-0.5
+    fields = cache.state().arrays
+    expected = read.attend(queries, scale).astype(np.float64)
+    bound = np.minimum(
+        kernel_attention_bound(
+            queries, read.keys, read.values, scale, value_groups=(fields[4], fields[5], bits)
+        ),
+        attention_bound(queries, read.keys, read.values, scale, KERNEL_ROUNDOFF),
+    )
+    modelled = _scaled_weights_read(read, fields, bits, queries, scale, 2.0**bits)
+    assert np.all(np.abs(modelled - expected) <= bound)
+    if spread == "nonnegative":
+        dropped = _scaled_weights_read(read, fields, bits, queries, scale, 0.0)
+        assert np.any(np.abs(dropped - expected) > bound)

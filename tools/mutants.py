@@ -73,6 +73,8 @@ RECORDS_VIEWS = "test_a_decode_step_reads_a_records_rows_without_a_fields_view"
 CUDA_SOURCE = "conformance/test_cuda_source.py"
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
+#: The reads of affine values with scaled weights (READ-7) at 4 query heads per KV head.
+SCALED_READS = f"{DECODE}::test_decode_read_of_stored_fields_is_within_bound[default-4-affine-4-64]"
 FAR_ZERO_READS = (
     "conformance/test_decode_step.py::"
     "test_turboquant_reads_of_far_zero_points_and_extreme_queries_are_within_bound"
@@ -884,6 +886,30 @@ CATALOGUE = (
         (
             FAR_ZERO_READS,
             f"{COMPILED}::test_compiled_steps_store_the_eager_bits[turbo k8v4 dense-eager]",
+        ),
+        needs_cuda=True,
+    ),
+    Mutant(
+        "cuda-affine-scaled-weights-bias-unrescaled",
+        "accelerated/cuda/decode_attention.cuh",
+        "                if constexpr (SCALED_VALUES) bias_sum *= alpha;\n",
+        "",
+        "scaled weights' bias sums are not rescaled when a head's maximum moves (READ-7)",
+        (
+            SCALED_READS,
+            f"{DECODE}::test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound[affine-4-64]",
+        ),
+        needs_cuda=True,
+    ),
+    Mutant(
+        "cuda-affine-scaled-weights-half-offset",
+        "accelerated/cuda/decode_attention.cuh",
+        "constexpr float OFFSET = 1 << VBITS;",
+        "constexpr float OFFSET = 1 << (VBITS - 1);",
+        "scaled weights take the codes' offset as 2^(bits - 1), not 2^bits (READ-7)",
+        (
+            SCALED_READS,
+            f"{DECODE}::test_a_decode_read_of_one_row_returns_its_values_as_decoded[default-affine-4-64]",
         ),
         needs_cuda=True,
     ),

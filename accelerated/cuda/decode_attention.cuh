@@ -305,6 +305,19 @@ struct LaneRow {
         }
     }
 
+    // READ-7's scaled weights: code c of element j as the float32 bits of 2^BITS + c, exact
+    // in TF32 (c fills the significand's top BITS bits): a shift and a LOP3. One element at
+    // a time, so that each MMA's operands are made as it takes them (registers).
+    __device__ __forceinline__ unsigned int offset_code(int j) const {
+        static_assert(FMT == 1 && WORDS && WHOLE_PAIRS, "affine codes in whole words");
+        constexpr int TOP = 23 - BITS;
+        constexpr unsigned int MASK = ((1u << BITS) - 1u) << TOP;
+        const unsigned int exponent = (127u + BITS) << 23;
+        const unsigned int word = w[j * BITS / 32];
+        const int at = j * BITS % 32;
+        return masked_or<MASK>(at <= TOP ? word << (TOP - at) : word >> (at - TOP), exponent);
+    }
+
     __device__ __forceinline__ void decode_pairs(float (&x)[E]) const {
         constexpr int PER_WORD = 32 / BITS;
         visit_pairs([&](int word, int i, auto value) {
@@ -592,7 +605,7 @@ constexpr bool SAME_TYPE<A, A> = true;
 template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
           typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
           int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
-          typename Shape, typename Strides>
+          bool SCALED, typename Shape, typename Strides>
 __device__ __forceinline__ void partial_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const KC* k_codes, const Shape& k_codes_shape, const Strides& k_codes_strides,
@@ -705,6 +718,17 @@ __device__ __forceinline__ void partial_pass(
             KeyRow::PAIRS16 && SAME_TYPE<QT, typename Paired16<KFMT, KC, KS>::type>;
         const int row = lane >> 2;
         const int col = lane & 3;
+        // Scaled weights (READ-7, SCALED: attention_kernels.scaled_weights): affine values
+        // enter as their codes, 2^VBITS + code, and B as each weight times its row's group
+        // scale, so that column n of the value MMA is query head n % HEAD_SPAN of value group
+        // n / HEAD_SPAN, the group of the lanes of rows [n / HEAD_SPAN * HEAD_SPAN, + HEAD_SPAN)
+        // (their EV elements lie in one group). Row `row` of the query (A of the scores) is
+        // then head `row % HEAD_SPAN`, so the lane's weights are those its column wants; the
+        // biases times the weights are summed apart (bias_sum), less 2^VBITS times B.
+        constexpr bool SCALED_VALUES = SCALED && VFMT == 1;
+        constexpr int HEAD_SPAN = SCALED_VALUES ? VGROUP / EV : 8;
+        static_assert(!SCALED_VALUES || (HEAD_SPAN >= G && HEAD_SPAN <= 8), "a column a head");
+        const int head_row = row % HEAD_SPAN;
         constexpr int KSTEPS = SCORES16 || GROUP_SCORES ? DK / 16 : DK / 8;
         constexpr int MTILES = DV / 16;
 
@@ -721,7 +745,7 @@ __device__ __forceinline__ void partial_pass(
             // where it is a bfloat16 or float16 value in float16's normal range; a head of
             // zeros, NaN or infinity keeps power 1.
             const long long q_row = (long long)b * queries_strides[0] +
-                (long long)(h * G + (row < G ? row : 0)) * queries_strides[1];
+                (long long)(h * G + (head_row < G ? head_row : 0)) * queries_strides[1];
             float x[KEY_GROUPS][8];
             float top = 0.0f;
             #pragma unroll
@@ -729,7 +753,7 @@ __device__ __forceinline__ void partial_pass(
                 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     const long long at = q_row + (32 * g + 8 * col + i) * queries_strides[3];
-                    x[g][i] = row < G ? static_cast<float>(queries[at]) : 0.0f;
+                    x[g][i] = head_row < G ? static_cast<float>(queries[at]) : 0.0f;
                     top = fmaxf(top, fabsf(x[g][i]));
                 }
             }
@@ -761,7 +785,7 @@ __device__ __forceinline__ void partial_pass(
             if (col == 0 && row < G) query_factors[row] = factor / power;
         } else if (warp == 0) {
             const long long q_row = (long long)b * queries_strides[0] +
-                (long long)(h * G + (row < G ? row : 0)) * queries_strides[1];
+                (long long)(h * G + (head_row < G ? head_row : 0)) * queries_strides[1];
             #pragma unroll
             for (int j = 0; j < KSTEPS; ++j) {
                 unsigned int a[2];
@@ -772,14 +796,15 @@ __device__ __forceinline__ void partial_pass(
                         const int e = col * EK + KeyRow::pair_element(2 * j + i);
                         const int e_hi = e + KeyRow::PER_PAIR_WORD / 2;
                         unsigned short lo = 0, hi = 0;
-                        if (row < G) {
+                        if (head_row < G) {
                             memcpy(&lo, &queries[q_row + e * queries_strides[3]], 2);
                             memcpy(&hi, &queries[q_row + e_hi * queries_strides[3]], 2);
                         }
                         a[i] = (unsigned int)lo | ((unsigned int)hi << 16);
                     } else {
                         const long long at = q_row + (col * EK + 2 * j + i) * queries_strides[3];
-                        a[i] = row < G ? tf32(static_cast<float>(queries[at]) * factor) : 0u;
+                        a[i] = head_row < G ? tf32(static_cast<float>(queries[at]) * factor)
+                                            : 0u;
                     }
                 }
                 query_fragment[j][lane] = make_uint4(a[0], 0u, a[1], 0u);
@@ -792,14 +817,16 @@ __device__ __forceinline__ void partial_pass(
         if constexpr (GROUP_SCORES) {
             #pragma unroll
             for (int g = 0; g < KEY_GROUPS; ++g) {
-                group_sums[g] = row < G ? query_sums[row * KEY_GROUPS + g] : 0.0f;
+                group_sums[g] = head_row < G ? query_sums[head_row * KEY_GROUPS + g] : 0.0f;
             }
-            head_factor = row < G ? query_factors[row] : 0.0f;
+            head_factor = head_row < G ? query_factors[head_row] : 0.0f;
         }
-        // Head `row`'s running maximum and this lane's share of its sum; O^T in the C layout
-        // (acc[i]: elements row EV + 2i, + 1 of heads 2 col, 2 col + 1).
+        // Head `head_row`'s running maximum and this lane's share of its sum (and of its
+        // group's bias sum); O^T in the C layout (acc[i]: elements row EV + 2i, + 1 of
+        // columns 2 col, 2 col + 1).
         float m = NEG_INF;
         float l = 0.0f;
+        float bias_sum = 0.0f;
         float acc[MTILES][4];
         #pragma unroll
         for (int i = 0; i < MTILES; ++i) {
@@ -1020,21 +1047,46 @@ __device__ __forceinline__ void partial_pass(
             const float alpha_even = __shfl_sync(0xffffffffu, alpha, 8 * col);
             const float alpha_odd = __shfl_sync(0xffffffffu, alpha, 8 * col + 4);
 
-            float y0[EV], y1[EV];
-            if (WHOLE || tv < end) {
-                v0.decode(codebook, row, y0);
+            // The value operands as float32 bits: decoded (or zero past the end), or for
+            // scaled weights the codes 2^VBITS + code (finite past the end, where B is 0),
+            // made tile by tile below.
+            unsigned int y0[SCALED_VALUES ? 1 : EV], y1[SCALED_VALUES ? 1 : EV];
+            unsigned int w0, w1;
+            float bias_part = 0.0f;
+            if constexpr (SCALED_VALUES) {
+                constexpr float OFFSET = 1 << VBITS;
+                w0 = WHOLE || tv < end ? tf32(p0 * static_cast<float>(v0.scale)) : 0u;
+                w1 = WHOLE || tv + 1 < end ? tf32(p1 * static_cast<float>(v1.scale)) : 0u;
+                if (WHOLE || tv < end) {
+                    bias_part = fmaf(p0, static_cast<float>(v0.bias),
+                                     -OFFSET * __uint_as_float(w0));
+                }
+                if (WHOLE || tv + 1 < end) {
+                    bias_part += fmaf(p1, static_cast<float>(v1.bias),
+                                      -OFFSET * __uint_as_float(w1));
+                }
             } else {
+                float x0[EV], x1[EV];
+                if (WHOLE || tv < end) {
+                    v0.decode(codebook, row, x0);
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < EV; ++j) x0[j] = 0.0f;
+                }
+                if (WHOLE || tv + 1 < end) {
+                    v1.decode(codebook, row, x1);
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < EV; ++j) x1[j] = 0.0f;
+                }
                 #pragma unroll
-                for (int j = 0; j < EV; ++j) y0[j] = 0.0f;
+                for (int j = 0; j < EV; ++j) {
+                    y0[j] = __float_as_uint(x0[j]);
+                    y1[j] = __float_as_uint(x1[j]);
+                }
+                w0 = tf32(p0);
+                w1 = tf32(p1);
             }
-            if (WHOLE || tv + 1 < end) {
-                v1.decode(codebook, row, y1);
-            } else {
-                #pragma unroll
-                for (int j = 0; j < EV; ++j) y1[j] = 0.0f;
-            }
-            const unsigned int w0 = tf32(p0);
-            const unsigned int w1 = tf32(p1);
             // Once the maxima settle, no factor moves: skip the rescale (a warp-wide choice).
             if (__any_sync(0xffffffffu, alpha_even != 1.0f || alpha_odd != 1.0f)) {
                 #pragma unroll
@@ -1044,11 +1096,17 @@ __device__ __forceinline__ void partial_pass(
                     acc[i][2] *= alpha_even;
                     acc[i][3] *= alpha_odd;
                 }
+                if constexpr (SCALED_VALUES) bias_sum *= alpha;
             }
+            if constexpr (SCALED_VALUES) bias_sum += bias_part;
             #pragma unroll
             for (int i = 0; i < MTILES; ++i) {
-                mma_tf32(acc[i], __float_as_uint(y0[2 * i]), __float_as_uint(y0[2 * i + 1]),
-                         __float_as_uint(y1[2 * i]), __float_as_uint(y1[2 * i + 1]), w0, w1);
+                if constexpr (SCALED_VALUES) {
+                    mma_tf32(acc[i], v0.offset_code(2 * i), v0.offset_code(2 * i + 1),
+                             v1.offset_code(2 * i), v1.offset_code(2 * i + 1), w0, w1);
+                } else {
+                    mma_tf32(acc[i], y0[2 * i], y0[2 * i + 1], y1[2 * i], y1[2 * i + 1], w0, w1);
+                }
             }
         };
         KeyRow next_key;
@@ -1071,18 +1129,35 @@ __device__ __forceinline__ void partial_pass(
         }
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // Scaled weights: column n's bias sum (over the lanes of row n) joins its outputs.
+        float bias_even = 0.0f, bias_odd = 0.0f;
+        if constexpr (SCALED_VALUES) {
+            bias_sum += __shfl_xor_sync(0xffffffffu, bias_sum, 1);
+            bias_sum += __shfl_xor_sync(0xffffffffu, bias_sum, 2);
+            bias_even = __shfl_sync(0xffffffffu, bias_sum, 8 * col);
+            bias_odd = __shfl_sync(0xffffffffu, bias_sum, 8 * col + 4);
+        }
 
-        // The warp's results to shared memory, for the block merge.
+        // The warp's results to shared memory, for the block merge: column n holds head
+        // n % HEAD_SPAN of the lane's elements where n / HEAD_SPAN is their group.
+        const int even_head = 2 * col % HEAD_SPAN;
+        const int odd_head = (2 * col + 1) % HEAD_SPAN;
+        const bool even_own = 2 * col / HEAD_SPAN == row / HEAD_SPAN && even_head < G;
+        const bool odd_own = (2 * col + 1) / HEAD_SPAN == row / HEAD_SPAN && odd_head < G;
+        auto with_bias = [](float sum, float bias) {
+            if constexpr (SCALED_VALUES) return sum + bias;
+            return sum;
+        };
         #pragma unroll
         for (int i = 0; i < MTILES; ++i) {
             const int d = row * EV + 2 * i;
-            if (2 * col < G) {
-                sums[(warp * G + 2 * col) * DV + d] = acc[i][0];
-                sums[(warp * G + 2 * col) * DV + d + 1] = acc[i][2];
+            if (even_own) {
+                sums[(warp * G + even_head) * DV + d] = with_bias(acc[i][0], bias_even);
+                sums[(warp * G + even_head) * DV + d + 1] = with_bias(acc[i][2], bias_even);
             }
-            if (2 * col + 1 < G) {
-                sums[(warp * G + 2 * col + 1) * DV + d] = acc[i][1];
-                sums[(warp * G + 2 * col + 1) * DV + d + 1] = acc[i][3];
+            if (odd_own) {
+                sums[(warp * G + odd_head) * DV + d] = with_bias(acc[i][1], bias_odd);
+                sums[(warp * G + odd_head) * DV + d + 1] = with_bias(acc[i][3], bias_odd);
             }
         }
         if (col == 0 && row < G) {
@@ -1214,7 +1289,7 @@ __device__ __forceinline__ AxisStrides element_strides(const S& bytes) {
 template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
           typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
           int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
-          int OFF_KC, int OFF_KS, int OFF_KB, int OFF_VC, int OFF_VS, int OFF_VB,
+          bool SCALED, int OFF_KC, int OFF_KS, int OFF_KB, int OFF_VC, int OFF_VS, int OFF_VB,
           typename Shape, typename Strides>
 __device__ __forceinline__ void record_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
@@ -1232,7 +1307,7 @@ __device__ __forceinline__ void record_pass(
     const AxisStrides new_vc = element_strides<sizeof(VC)>(new_record_strides);
     const AxisStrides new_vs = element_strides<sizeof(VS)>(new_record_strides);
     partial_pass<MMA, COUNTED, SLOT, QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS,
-                 KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS>(
+                 KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS, SCALED>(
         queries, queries_shape, q,
         record_field<KC>(record, OFF_KC), record_shape, kc,
         record_field<KS>(record, OFF_KS), ks, record_field<KS>(record, OFF_KB),
