@@ -1047,10 +1047,9 @@ __device__ __forceinline__ void partial_pass(
             const float alpha_even = __shfl_sync(0xffffffffu, alpha, 8 * col);
             const float alpha_odd = __shfl_sync(0xffffffffu, alpha, 8 * col + 4);
 
-            // The value operands as float32 bits: decoded (or zero past the end), or for
-            // scaled weights the codes 2^VBITS + code (finite past the end, where B is 0),
-            // made tile by tile below.
-            unsigned int y0[SCALED_VALUES ? 1 : EV], y1[SCALED_VALUES ? 1 : EV];
+            // The values decoded (zero past the end), or with scaled weights their codes,
+            // 2^VBITS + code, made tile by tile below (finite past the end, where B is 0).
+            float y0[EV], y1[EV];
             unsigned int w0, w1;
             float bias_part = 0.0f;
             if constexpr (SCALED_VALUES) {
@@ -1066,23 +1065,17 @@ __device__ __forceinline__ void partial_pass(
                                       -OFFSET * __uint_as_float(w1));
                 }
             } else {
-                float x0[EV], x1[EV];
                 if (WHOLE || tv < end) {
-                    v0.decode(codebook, row, x0);
+                    v0.decode(codebook, row, y0);
                 } else {
                     #pragma unroll
-                    for (int j = 0; j < EV; ++j) x0[j] = 0.0f;
+                    for (int j = 0; j < EV; ++j) y0[j] = 0.0f;
                 }
                 if (WHOLE || tv + 1 < end) {
-                    v1.decode(codebook, row, x1);
+                    v1.decode(codebook, row, y1);
                 } else {
                     #pragma unroll
-                    for (int j = 0; j < EV; ++j) x1[j] = 0.0f;
-                }
-                #pragma unroll
-                for (int j = 0; j < EV; ++j) {
-                    y0[j] = __float_as_uint(x0[j]);
-                    y1[j] = __float_as_uint(x1[j]);
+                    for (int j = 0; j < EV; ++j) y1[j] = 0.0f;
                 }
                 w0 = tf32(p0);
                 w1 = tf32(p1);
@@ -1105,7 +1098,8 @@ __device__ __forceinline__ void partial_pass(
                     mma_tf32(acc[i], v0.offset_code(2 * i), v0.offset_code(2 * i + 1),
                              v1.offset_code(2 * i), v1.offset_code(2 * i + 1), w0, w1);
                 } else {
-                    mma_tf32(acc[i], y0[2 * i], y0[2 * i + 1], y1[2 * i], y1[2 * i + 1], w0, w1);
+                    mma_tf32(acc[i], __float_as_uint(y0[2 * i]), __float_as_uint(y0[2 * i + 1]),
+                             __float_as_uint(y1[2 * i]), __float_as_uint(y1[2 * i + 1]), w0, w1);
                 }
             }
         };
