@@ -450,6 +450,52 @@ def test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound(
     )
 
 
+@pytest.mark.parametrize("kind", ["kv", "affine-4-64", "affine-8-32", "turbo-k8v4-dense"])
+def test_the_rising_read_gives_every_warp_two_chunks_or_more(backend: Backend, kind: str) -> None:
+    """What the rising-maxima read above can catch rests on how the CUDA kernels cut it
+    (docs/mutants.md: a fault of the rescale within a warp shows only where a warp takes
+    two chunks of 8 positions or more). On the CUDA path with the kernels stood in (any
+    device), its last read's pass 1 launches `splits` blocks a KV head of `warps` warps;
+    split s takes positions [s p, (s + 1) p) of its 250, p = ceil(250 / splits), and warp w
+    its chunks w, w + warps, ...: every warp of every split must take two or more."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the launches of the MLX backend's decode-attention kernels")
+    import mlx.core as mx
+
+    from kvspec.conformance.stand_ins import cuda_path, kernels_made_by, zero_outputs
+
+    launched: list[tuple[int, int]] = []
+
+    def make(name: str, input_names, output_names, source: str, header: str = "", **_):
+        def launch(*, inputs, output_shapes, output_dtypes, grid, threadgroup, **options):
+            if name.startswith("kvspec_decode_attention"):
+                launched.append((threadgroup[0] // 32, grid[0] // threadgroup[0]))
+            return zero_outputs(output_shapes, output_dtypes)
+
+        return launch
+
+    rows = 250
+    rng = np.random.default_rng(0)
+    draw = rising_scores_draw(rows, 8.0)
+    with cuda_path(), kernels_made_by(make):
+        cache = READ_KINDS[kind](backend.module("caches"))
+        for L in [rows - 2, 1, 1]:
+            k = mx.array(draw(rng, (1, 2, L, 128), "bfloat16", "keys"))
+            v = mx.array(draw(rng, (1, 2, L, 128), "bfloat16", "values"))
+            if L > 1:
+                cache.append_window(k, v)
+            else:
+                read = cache.append_decode(k, v)
+        launched.clear()
+        read.attend(mx.ones((1, 8, 1, 128), mx.bfloat16), 128**-0.5)
+    warps, splits = launched[0]
+    per_split = -(-rows // splits)
+    for split in range(splits):
+        positions = min(rows, (split + 1) * per_split) - split * per_split
+        chunks = -(-positions // 8)
+        assert min(len(range(w, chunks, warps)) for w in range(warps)) >= 2, (split, chunks)
+
+
 @pytest.mark.parametrize("kernels", ["dense", "deferred"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
