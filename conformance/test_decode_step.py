@@ -480,8 +480,8 @@ def test_the_rising_read_gives_every_warp_two_chunks_or_more(backend: Backend, k
     with cuda_path(), kernels_made_by(make):
         cache = READ_KINDS[kind](backend.module("caches"))
         for L in [rows - 2, 1, 1]:
-            k = mx.array(draw(rng, (1, 2, L, 128), "bfloat16", "keys"))
-            v = mx.array(draw(rng, (1, 2, L, 128), "bfloat16", "values"))
+            k = backend.from_numpy(draw(rng, (1, 2, L, 128), "bfloat16", "keys"))
+            v = backend.from_numpy(draw(rng, (1, 2, L, 128), "bfloat16", "values"))
             if L > 1:
                 cache.append_window(k, v)
             else:
