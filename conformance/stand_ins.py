@@ -30,6 +30,8 @@ class KernelCall:
     output_names: tuple[str, ...]
     inputs: tuple[mx.array, ...]
     output_dtypes: tuple[mx.Dtype, ...]
+    #: The dynamic shared memory a block of the kernel is launched with, in bytes.
+    shared_memory: int = 0
 
 
 class Launches(Counter):
@@ -68,6 +70,7 @@ def cuda_path() -> Iterator[Launches]:
         output_names: list[str],
         source: str,
         header: str = "",
+        shared_memory: int = 0,
         **_: object,
     ):
         def launch(*, inputs, output_shapes, output_dtypes, **options: object) -> list:
@@ -88,6 +91,7 @@ def cuda_path() -> Iterator[Launches]:
                     tuple(output_names),
                     tuple(inputs),
                     tuple(output_dtypes),
+                    shared_memory,
                 ),
             )
             outputs = zero_outputs(output_shapes, output_dtypes)

@@ -1,6 +1,7 @@
 """Every custom kernel the CUDA path launches for bench's kinds, built offline as MLX builds
 it (nvcc in place of NVRTC, for the same architecture): the registers a thread, the bytes
-spilled and the static shared memory of each kernel, without a GPU; with --sass, the
+spilled, the static shared memory of each kernel and the dynamic shared memory the path
+launches it with, without a GPU; with --sass, the
 instructions of each kernel's longest loop (its main loop: for a decode-attention pass, one
 chunk of positions), from cuobjdump's SASS.
 
@@ -72,6 +73,8 @@ class Usage:
     spill_stores: int
     spill_loads: int
     shared_bytes: int
+    #: The dynamic shared memory the path launches a block with (the kernel's `shared_memory`).
+    dynamic_shared_bytes: int
     #: Instructions of the longest loop in the kernel's SASS (`longest_loop`); None unasked.
     loop_instructions: int | None = None
 
@@ -191,6 +194,7 @@ def build(call: KernelCall, arch: str, directory: Path, sass: bool = False) -> U
         int(spills.group(1)),
         int(spills.group(2)),
         int(shared.group(1)) if shared else 0,
+        call.shared_memory,
         loop_of(directory / f"{call.name}.cubin") if sass else None,
     )
 
@@ -227,12 +231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pool.map(lambda call: build(call, args.arch, directory, args.sass), calls.values())
             )
     loop = f"  {'loop':>5}" if args.sass else ""
-    print(f"{'kernel':96}  {'registers':>9}  {'spill st/ld B':>13}  {'smem B':>7}{loop}")
+    header = f"{'kernel':96}  {'registers':>9}  {'spill st/ld B':>13}  {'smem B':>7}  {'dyn B':>6}"
+    print(header + loop)
     for usage in sorted(usages, key=lambda usage: usage.kernel):
         spills = f"{usage.spill_stores}/{usage.spill_loads}"
         loop = f"  {usage.loop_instructions:5d}" if args.sass else ""
         print(
-            f"{usage.kernel:96}  {usage.registers:9d}  {spills:>13}  {usage.shared_bytes:7d}{loop}"
+            f"{usage.kernel:96}  {usage.registers:9d}  {spills:>13}  {usage.shared_bytes:7d}"
+            f"  {usage.dynamic_shared_bytes:6d}{loop}"
         )
     if args.json:
         with open(args.json, "w") as f:

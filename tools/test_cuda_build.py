@@ -1,6 +1,7 @@
 """tools/cuda_build.py: the kernels the CUDA path makes are found on the CPU and written as
 MLX writes them; where nvcc is on the PATH they compile, and every decode-attention pass of
-bench's step kinds fits the blocks an SM that its split counts on."""
+bench's step kinds fits the blocks an SM that its split counts on (registers and shared
+memory)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ needs_cuobjdump = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
     reason="nvcc or cuobjdump is not on the PATH",
 )
+#: The shared memory of an H200's SM (compute capability 9.0: 228 KiB), and what the device
+#: reserves of it for each resident block.
+SM_SHARED = 228 * 1024
+BLOCK_RESERVED = 1024
 
 #: SASS as cuobjdump prints it: a loop of 5 instructions (0x0020 .. 0x0060) holding a
 #: forward branch, one of 3 (0x0080 .. 0x00a0), and the closing branch to itself.
@@ -86,6 +91,10 @@ def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path
     assert len(passes) == 2 * len(bench.TARGET_KINDS)  # eager and slot variants
     limit = 65536 // (BLOCKS_PER_SM * WARPS * 32)
     assert all(row["registers"] <= limit for row in passes), passes
+    # And in an SM's shared memory: a block takes its static and dynamic bytes and the 1 KiB
+    # the device reserves for each block.
+    shared = [row["shared_bytes"] + row["dynamic_shared_bytes"] + BLOCK_RESERVED for row in passes]
+    assert all(0 < bytes * BLOCKS_PER_SM <= SM_SHARED for bytes in shared), passes
 
 
 def test_the_longest_loop_counts_every_instruction_from_its_target_to_its_branch() -> None:
