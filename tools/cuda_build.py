@@ -1,9 +1,9 @@
 """Every custom kernel the CUDA path launches for bench's kinds, built offline as MLX builds
 it (nvcc in place of NVRTC, for the same architecture): the registers a thread, the bytes
 spilled, the static shared memory of each kernel and the dynamic shared memory the path
-launches it with, without a GPU; with --sass, the
-instructions of each kernel's longest loop (its main loop: for a decode-attention pass, one
-chunk of positions), from cuobjdump's SASS.
+launches it with, without a GPU; with --sass, the instructions of each kernel's longest
+loop (its main loop: for a decode-attention pass, one chunk of positions), from
+cuobjdump's SASS.
 
 MLX (0.32, `mlx/backend/cuda/custom_kernel.cpp`) writes a custom kernel's source as its
 default header (MLX's device utilities), the kernel's header, then in namespace

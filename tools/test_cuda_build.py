@@ -93,8 +93,8 @@ def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path
     assert all(row["registers"] <= limit for row in passes), passes
     # And in an SM's shared memory: a block takes its static and dynamic bytes and the 1 KiB
     # the device reserves for each block.
-    shared = [row["shared_bytes"] + row["dynamic_shared_bytes"] + BLOCK_RESERVED for row in passes]
-    assert all(0 < bytes * BLOCKS_PER_SM <= SM_SHARED for bytes in shared), passes
+    blocks = [row["shared_bytes"] + row["dynamic_shared_bytes"] + BLOCK_RESERVED for row in passes]
+    assert all(0 < block * BLOCKS_PER_SM <= SM_SHARED for block in blocks), passes
 
 
 def test_the_longest_loop_counts_every_instruction_from_its_target_to_its_branch() -> None:
