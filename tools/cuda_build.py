@@ -1,8 +1,8 @@
 """Every custom kernel the CUDA path launches for bench's kinds, built offline as MLX builds
 it (nvcc in place of NVRTC, for the same architecture): the registers a thread, the bytes
 spilled, the static shared memory of each kernel and the dynamic shared memory the path
-launches it with, without a GPU; with --sass, the instructions of each kernel's longest
-loop (its main loop: for a decode-attention pass, one chunk of positions), from
+launches it with, without a GPU; with --sass, the instructions of each kernel's main loop
+(for a decode-attention pass, one chunk of positions) and the opcodes they are, from
 cuobjdump's SASS.
 
 MLX (0.32, `mlx/backend/cuda/custom_kernel.cpp`) writes a custom kernel's source as its
@@ -20,7 +20,7 @@ prefill of PREFILL positions, an eager decode step and a compiled step (its slot
     python tools/cuda_build.py                            # bench's step kinds, head dim 128
     python tools/cuda_build.py --kinds TurboQuant --head-dim 64 --keep /tmp/kernels
     python tools/cuda_build.py --quick                    # one small kernel
-    python tools/cuda_build.py --kinds Quantized --sass   # and each main loop's size
+    python tools/cuda_build.py --kinds Quantized --sass   # and each main loop's instructions
 
 cuobjdump comes with the CUDA toolkit, or alone from PyPI (`nvidia-cuda-cuobjdump`, its
 binary under the package's bin directory); --sass needs it on the PATH.
@@ -35,9 +35,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,6 +50,8 @@ from kvspec.conformance.stand_ins import KernelCall, cuda_path
 
 #: Positions of the prefill (an encode of many positions) before the decode steps.
 PREFILL = 64
+#: The opcodes --sass prints of each main loop, the most frequent first.
+OPCODES_SHOWN = 14
 #: What stands in for MLX's default header (`mlx/backend/cuda/device/utils.cuh`, config.h).
 PREAMBLE = """#include <cooperative_groups.h>
 #include <cuda/std/array>
@@ -75,8 +78,10 @@ class Usage:
     shared_bytes: int
     #: The dynamic shared memory the path launches a block with (the kernel's `shared_memory`).
     dynamic_shared_bytes: int
-    #: Instructions of the longest loop in the kernel's SASS (`longest_loop`); None unasked.
+    #: Instructions of the kernel's main loop in its SASS (`main_loop`: 0 without a loop) and
+    #: how many of each opcode it holds, most first; None unasked.
     loop_instructions: int | None = None
+    loop_opcodes: dict[str, int] | None = None
 
 
 def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
@@ -130,40 +135,69 @@ _SHARED = re.compile(r"(\d+) bytes smem")
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 #: A branch and its target address.
 _BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(?:[^,]*,\s*)?(0x[0-9a-f]+)")
+#: An instruction's predicate (`@P0`, `@!UP1`).
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 
 
-def longest_loop(sass: str) -> int:
-    """The instructions from the target of a backward branch to the branch, of the longest
-    such loop in `sass` (cuobjdump -sass); 0 without one. A kernel's main loop is its longest:
-    the instructions one trip through it holds, every path of a branch in it counted."""
-    addresses = []
-    loops = [0]
+@dataclass(frozen=True)
+class Loop:
+    """A loop of a kernel's SASS: the instructions from the target of a backward branch to
+    the branch, every path of a branch in it counted."""
+
+    instructions: tuple[str, ...]
+
+    @property
+    def mmas(self) -> int:
+        """Its tensor-core MMAs (HMMA)."""
+        return sum(instruction.startswith("HMMA") for instruction in self.opcodes())
+
+    def opcodes(self) -> list[str]:
+        """Each instruction's opcode, its predicate left out."""
+        return [_PREDICATE.sub("", text).split()[0] for text in self.instructions]
+
+
+def loops(sass: str) -> list[Loop]:
+    """Every loop of `sass` (cuobjdump -sass), in the order their branches come."""
+    lines: list[tuple[int, str]] = []
+    found_loops = []
     for line in sass.splitlines():
         found = _SASS_LINE.search(line)
         if found is None:
             continue
-        address = int(found.group(1), 16)
-        addresses.append(address)
-        branch = _BRANCH.search(found.group(2))
+        address, text = int(found.group(1), 16), found.group(2).strip()
+        lines.append((address, text))
+        branch = _BRANCH.search(text)
         if branch is not None and int(branch.group(1), 16) < address:
             target = int(branch.group(1), 16)
-            loops.append(sum(1 for at in addresses if target <= at <= address))
-    return max(loops)
+            found_loops.append(Loop(tuple(t for at, t in lines if target <= at <= address)))
+    return found_loops
 
 
-def loop_of(cubin: Path) -> int:
-    """`longest_loop` of a compiled kernel, disassembled by cuobjdump."""
+def main_loop(sass: str) -> Loop | None:
+    """A kernel's main loop: the shortest loop that holds a tensor-core MMA, where one does
+    (a decode-attention pass: one chunk of positions; a branch back from a block the
+    compiler placed after the loop makes a longer one around it), else the longest loop;
+    None without a loop."""
+    found = loops(sass)
+    with_mmas = [loop for loop in found if loop.mmas]
+    if with_mmas:
+        return min(with_mmas, key=lambda loop: len(loop.instructions))
+    return max(found, key=lambda loop: len(loop.instructions), default=None)
+
+
+def loop_of(cubin: Path) -> Loop | None:
+    """`main_loop` of a compiled kernel, disassembled by cuobjdump."""
     done = subprocess.run(
         ["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"cuobjdump failed on {cubin.name}:\n{done.stderr[-2000:]}")
-    return longest_loop(done.stdout)
+    return main_loop(done.stdout)
 
 
 def build(call: KernelCall, arch: str, directory: Path, sass: bool = False) -> Usage:
     """Compile the kernel with nvcc (its source and cubin kept in `directory`) and read
-    ptxas's report of it; with `sass`, its longest loop too."""
+    ptxas's report of it; with `sass`, its main loop too."""
     source = directory / f"{call.name}.cu"
     source.write_text(kernel_source(call))
     command = [
@@ -188,14 +222,22 @@ def build(call: KernelCall, arch: str, directory: Path, sass: bool = False) -> U
     shared = _SHARED.search(report)
     if registers is None or spills is None:
         raise RuntimeError(f"no ptxas report for {call.name}:\n{report[-2000:]}")
-    return Usage(
+    usage = Usage(
         call.name,
         int(registers.group(1)),
         int(spills.group(1)),
         int(spills.group(2)),
         int(shared.group(1)) if shared else 0,
         call.shared_memory,
-        loop_of(directory / f"{call.name}.cubin") if sass else None,
+    )
+    if not sass:
+        return usage
+    loop = loop_of(directory / f"{call.name}.cubin")
+    opcodes = [] if loop is None else loop.opcodes()
+    return replace(
+        usage,
+        loop_instructions=len(opcodes),
+        loop_opcodes=dict(Counter(opcodes).most_common()),
     )
 
 
@@ -211,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick", action="store_true", help="only the smallest kernel of the first kind"
     )
     parser.add_argument(
-        "--sass", action="store_true", help="each kernel's longest loop, from cuobjdump"
+        "--sass", action="store_true", help="each kernel's main loop, from cuobjdump"
     )
     args = parser.parse_args(argv)
     kinds = picked_kinds(parser, args.kinds, TARGET_KINDS)
@@ -240,6 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{usage.kernel:96}  {usage.registers:9d}  {spills:>13}  {usage.shared_bytes:7d}"
             f"  {usage.dynamic_shared_bytes:6d}{loop}"
         )
+    if args.sass:
+        # What each main loop spends its instructions on (the most frequent opcodes).
+        for usage in sorted(usages, key=lambda usage: usage.kernel):
+            if usage.loop_opcodes:
+                common = list(usage.loop_opcodes.items())[:OPCODES_SHOWN]
+                counts = ", ".join(f"{count} {opcode}" for opcode, count in common)
+                print(f"{usage.kernel}: {usage.loop_instructions} | {counts}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": args.arch, "rows": [asdict(usage) for usage in usages]}, f)

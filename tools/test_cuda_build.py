@@ -97,10 +97,24 @@ def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path
     assert all(0 < block * BLOCKS_PER_SM <= SM_SHARED for block in blocks), passes
 
 
-def test_the_longest_loop_counts_every_instruction_from_its_target_to_its_branch() -> None:
-    assert cuda_build.longest_loop(SASS) == 5
-    assert cuda_build.longest_loop(SASS.split("/*0070*/")[1]) == 3
-    assert cuda_build.longest_loop("") == 0
+def test_a_loop_counts_every_instruction_from_its_target_to_its_branch() -> None:
+    assert [len(loop.instructions) for loop in cuda_build.loops(SASS)] == [5, 3]
+    # Without a tensor-core MMA the main loop is the longest.
+    assert len(cuda_build.main_loop(SASS).instructions) == 5
+    assert cuda_build.main_loop(SASS.split("/*0070*/")[1]).opcodes() == ["LDG.E", "VIADD", "BRA.U"]
+    assert cuda_build.main_loop("") is None
+
+
+def test_the_main_loop_is_the_shortest_that_holds_an_mma() -> None:
+    """A decode-attention pass's chunk loop, not the longer loop that a block placed after
+    it and branching back makes around it."""
+    mma = SASS.replace("FADD R1, R1, R1", "HMMA.16816.F32 R4, R8, R12, R4")
+    outer = mma.replace("/*00b0*/                   EXIT ;", "/*00b0*/              @P2 BRA 0x10 ;")
+    sizes = sorted(len(loop.instructions) for loop in cuda_build.loops(outer))
+    assert sizes == [3, 5, 11]
+    main = cuda_build.main_loop(outer)
+    assert main is not None and len(main.instructions) == 5 and main.mmas == 1
+    assert main.opcodes().count("HMMA.16816.F32") == 1
 
 
 @needs_cuobjdump
@@ -111,3 +125,8 @@ def test_each_attention_pass_has_a_main_loop(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     passes = [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
     assert passes and all(row["loop_instructions"] > 100 for row in passes), passes
+    # One chunk: its 8 positions' score and value MMAs at head dim 128.
+    for row in passes:
+        mmas = sum(count for opcode, count in row["loop_opcodes"].items() if "HMMA" in opcode)
+        assert mmas == 16, row
+        assert sum(row["loop_opcodes"].values()) == row["loop_instructions"], row
