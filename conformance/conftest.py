@@ -1,8 +1,11 @@
-"""Suite-wide options: the backend under test and the hypothesis profiles."""
+"""Suite-wide options: the backend under test, the hypothesis profiles, and the CUDA
+kernels run on the CPU for the whole session where KVSPEC_EMULATED_CUDA=1
+(conformance/emulated_cuda.py)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -33,6 +36,22 @@ settings.register_profile(
     "mutants-fixed", parent=settings.get_profile("mutants"), derandomize=True, database=None
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+#: Set to "1" to run the suite with the MLX backend on its CUDA path, its kernels emulated.
+EMULATED_CUDA_ENV = "KVSPEC_EMULATED_CUDA"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def emulated_cuda() -> Iterator[bool]:
+    """Whether this session runs the CUDA kernels emulated (and, if so, for its time)."""
+    if os.environ.get(EMULATED_CUDA_ENV) != "1":
+        yield False
+        return
+    from kvspec.conformance.emulated_cuda import emulated_cuda_path
+
+    with emulated_cuda_path():
+        yield True
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -33,6 +33,24 @@ class KernelCall:
     #: The dynamic shared memory a block of the kernel is launched with, in bytes.
     shared_memory: int = 0
 
+    def parameters(self) -> list[tuple[str, str]]:
+        """The kernel's parameters as MLX declares them (0.32,
+        `mlx/backend/cuda/custom_kernel.cpp`): each input as `const T*` followed by its
+        Shape, Strides and ndim where the source names them (arrays of at least one
+        dimension), then each output as `T*`; as (type, name) pairs."""
+        from kvspec.accelerated.cuda_source import cuda_type
+
+        parameters = []
+        for name, array in zip(self.input_names, self.inputs, strict=True):
+            parameters.append((f"const {cuda_type(array.dtype)}*", name))
+            if array.ndim > 0:
+                for suffix, kind in (("shape", "Shape"), ("strides", "Strides"), ("ndim", "int")):
+                    if f"{name}_{suffix}" in self.source:
+                        parameters.append((f"const __grid_constant__ {kind}", f"{name}_{suffix}"))
+        for name, dtype in zip(self.output_names, self.output_dtypes, strict=True):
+            parameters.append((f"{cuda_type(dtype)}*", name))
+        return parameters
+
 
 class Launches(Counter):
     """Stand-in launches by kernel name; every array they were given (`inputs`) and made
@@ -53,14 +71,6 @@ def cuda_path() -> Iterator[Launches]:
     """The CUDA path with stand-in kernels, for the time of the block; yields its Launches.
     Every cache of kernel objects is emptied before and after, so that no kernel made by
     a real launch, or by another block's stand-in, is launched in its place."""
-
-    from kvspec.accelerated import (
-        affine,
-        attention_kernels,
-        turboquant,
-    )
-    from kvspec.accelerated.caches import reads
-    from kvspec.accelerated.caches import turboquant as turboquant_caches
 
     launches = Launches()
 
@@ -100,13 +110,25 @@ def cuda_path() -> Iterator[Launches]:
 
         return launch
 
+    with cuda_patches(stand_in):
+        yield launches
+
+
+@contextmanager
+def cuda_patches(make: Callable[..., Any]) -> Iterator[None]:
+    """For the time of the block, the backend takes its CUDA path, each custom kernel made
+    by `make` in place of `mx.fast.cuda_kernel` (`kernels_made_by`)."""
+    from kvspec.accelerated import affine, attention_kernels, device, turboquant
+    from kvspec.accelerated.caches import reads
+    from kvspec.accelerated.caches import turboquant as turboquant_caches
+
     with ExitStack() as patches:
-        patches.enter_context(kernels_made_by(stand_in))
-        for module in (reads, turboquant, turboquant_caches):
+        patches.enter_context(kernels_made_by(make))
+        for module in (device, reads, turboquant, turboquant_caches):
             patches.enter_context(mock.patch.object(module, "fused_kernels_enabled", lambda: True))
         patches.enter_context(mock.patch.object(affine, "_default_encoder", lambda: "cuda"))
         patches.enter_context(mock.patch.object(attention_kernels, "on_cuda", lambda: True))
-        yield launches
+        yield
 
 
 def zero_outputs(output_shapes: list, output_dtypes: list) -> list[mx.array]:

@@ -219,9 +219,9 @@ def _with_scaled_weights(read, query_heads: int) -> bool:
 def _kernels_on_cuda(backend: Backend) -> bool:
     if backend.package != "kvspec.accelerated":
         return False
-    import mlx.core as mx
+    from kvspec.accelerated.device import fused_kernels_enabled
 
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return fused_kernels_enabled()
 
 
 def _read_by_kernels(backend: Backend, read, query_heads: int) -> bool:
@@ -229,12 +229,9 @@ def _read_by_kernels(backend: Backend, read, query_heads: int) -> bool:
     if not _kernels_on_cuda(backend):
         return False
     from kvspec.accelerated import attention_kernels
-    from kvspec.accelerated.device import fused_kernels_enabled
 
     _, kv_heads, _, keys, values, _ = attention_kernels.stored_formats(read.stored)
-    return fused_kernels_enabled() and attention_kernels.supported(
-        keys, values, kv_heads, query_heads
-    )
+    return attention_kernels.supported(keys, values, kv_heads, query_heads)
 
 
 def _key_groups(ref: caches.Cache) -> tuple[np.ndarray, np.ndarray] | tuple[()]:

@@ -45,7 +45,6 @@ import mlx.core as mx
 from bench import KINDS, TARGET_KINDS, add_kinds_option, picked_kinds
 
 from kvspec.accelerated.caches.compiled import compile_decode
-from kvspec.accelerated.cuda_source import cuda_type
 from kvspec.conformance.stand_ins import KernelCall, cuda_path
 
 #: Positions of the prefill (an encode of many positions) before the decode steps.
@@ -105,18 +104,7 @@ def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
 
 def kernel_source(call: KernelCall) -> str:
     """The kernel's whole CUDA source as MLX writes it, PREAMBLE for MLX's header."""
-    parameters = []
-    for name, array in zip(call.input_names, call.inputs, strict=True):
-        parameters.append(f"    const {cuda_type(array.dtype)}* {name}")
-        if array.ndim > 0:
-            if f"{name}_shape" in call.source:
-                parameters.append(f"    const __grid_constant__ Shape {name}_shape")
-            if f"{name}_strides" in call.source:
-                parameters.append(f"    const __grid_constant__ Strides {name}_strides")
-            if f"{name}_ndim" in call.source:
-                parameters.append(f"    const __grid_constant__ int {name}_ndim")
-    for name, dtype in zip(call.output_names, call.output_dtypes, strict=True):
-        parameters.append(f"    {cuda_type(dtype)}* {name}")
+    parameters = [f"    {kind} {name}" for kind, name in call.parameters()]
     signature = ",\n".join(parameters)
     return (
         f"{PREAMBLE}{call.header}namespace mlx::core::cu {{\n\n"

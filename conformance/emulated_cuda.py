@@ -1,0 +1,352 @@
+"""The accelerated backend's CUDA kernels run on a CPU: each custom kernel's source, as MLX
+would hand it to NVRTC, compiled by the host's C++ compiler against emulated_cuda.h and
+launched on NumPy copies of its inputs. The kernels' CUDA path then computes on any
+machine, so the tests that hold it on a GPU (tools/gpu_suite.py's) can run here too:
+`emulated_cuda_path()` for a block, or `KVSPEC_EMULATED_CUDA=1` for a whole pytest session
+(conformance/conftest.py).
+
+What it holds and what it cannot:
+- every thread of a block runs, each as a fiber; barriers and warp collectives (shuffles,
+  votes, MMAs) are met by all the threads they name, or the launch fails. A race that the
+  barriers do not order may go unseen, since the fibers switch only at barriers;
+- arithmetic is IEEE single precision without contraction, so the encoders, which spell
+  every rounding (`__fmul_rn` and kin), store the bits they store on a GPU; the reads,
+  whose sums the compiler may contract and the tensor cores order as they do, are held
+  to READ-1's bound as on a GPU;
+- inputs a kernel reads through their strides (`ensure_row_contiguous=False`) are handed
+  to it with every stride but the last one's padded, and outputs start as NaN bytes, so
+  that a kernel reading a row at the wrong stride, or an output it did not write, reads
+  garbage;
+- an evaluation inside `mx.compile` cannot run one: the launch needs its inputs' values.
+
+Each kernel is built once per source (cached in KVSPEC_EMULATED_CUDA_CACHE, by default
+~/.cache/kvspec/emulated-cuda) with g++ (or $CXX), a few seconds each.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvspec.accelerated.cuda_source import CUDA_DIR
+from kvspec.conformance.stand_ins import KernelCall, cuda_patches
+
+#: The CUDA a kernel uses, for the host.
+HEADER = Path(__file__).resolve().with_name("emulated_cuda.h")
+#: The variable naming the folder of built kernels.
+CACHE_ENV = "KVSPEC_EMULATED_CUDA_CACHE"
+#: Flags of the build: IEEE arithmetic as written (no contraction, no fast math).
+FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing")
+#: Bytes of each thread's stack.
+STACK_BYTES = 256 * 1024
+
+_INCLUDE = re.compile(r'#include "([^"]+)"\n')
+_EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\[\];")
+_ASM = re.compile(r"\basm\s*(?:volatile\s*)?\(")
+_OPERAND = re.compile(r'\s*"([=+&]*)(\w)"\s*\((.*)\)\s*$', re.S)
+_TEMPLATE_OPERAND = re.compile(r"%(\d+)|\b(0x[0-9a-fA-F]+|\d+)\b")
+
+_NUMPY_OF = {
+    mx.bool_: np.bool_,
+    mx.int8: np.int8,
+    mx.int32: np.int32,
+    mx.uint8: np.uint8,
+    mx.uint16: np.uint16,
+    mx.uint32: np.uint32,
+    mx.float16: np.float16,
+    mx.bfloat16: np.uint16,  # its bits
+    mx.float32: np.float32,
+}
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the parenthesis closing the one opened just before `start`."""
+    depth = 1
+    at = start
+    while depth:
+        char = text[at]
+        if char == '"':
+            at = text.index('"', at + 1)
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        at += 1
+    return at - 1
+
+
+def _split_top(text: str, separator: str) -> list[str]:
+    """`text` split at each `separator` outside strings and brackets."""
+    parts, depth, start, in_string = [], 0, 0, False
+    for at, char in enumerate(text):
+        if char == '"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == separator and depth == 0:
+            parts.append(text[start:at])
+            start = at + 1
+    parts.append(text[start:])
+    return parts
+
+
+def asm_as_call(statement: str) -> str:
+    """An inline PTX statement's operands (`asm("template" : outputs : inputs)`) as a call of
+    emulated_cuda.h's function for its mnemonic, with its operands in the order the
+    template names them (immediates written in the template passed as they are)."""
+    parts = _split_top(statement, ":")
+    template = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', parts[0]))
+    operands = []
+    for part in parts[1:3]:
+        for operand in filter(str.strip, _split_top(part, ",")):
+            found = _OPERAND.match(operand)
+            if found is None:
+                raise ValueError(f"an asm operand not understood: {operand!r}")
+            operands.append(found.group(3).strip())
+    mnemonic, _, rest = template.strip().partition(" ")
+    arguments = [
+        operands[int(number)] if number else f"{literal}u"
+        for number, literal in _TEMPLATE_OPERAND.findall(rest)
+    ]
+    function = "emulated_asm_" + re.sub(r"\W", "_", mnemonic)
+    return f"{function}({', '.join(arguments)})"
+
+
+def host_code(text: str) -> str:
+    """CUDA source made host code: each inline PTX statement a call (`asm_as_call`), each
+    dynamic shared array a pointer to the launch's buffer."""
+    text = _EXTERN_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(emulated::dynamic_shared);", text)
+    pieces, at = [], 0
+    for found in _ASM.finditer(text):
+        if found.start() < at:
+            continue
+        close = _closing(text, found.end())
+        pieces += [text[at : found.start()], asm_as_call(text[found.end() : close])]
+        at = close + 1
+    return "".join(pieces) + text[at:]
+
+
+def _inlined(header: str, seen: set[Path]) -> str:
+    """`header` with each of its includes of CUDA_DIR's files replaced by the file (once)."""
+
+    def include(found: re.Match) -> str:
+        path = Path(found.group(1))
+        if path.parent != CUDA_DIR:
+            return found.group(0)
+        if path in seen:
+            return ""
+        seen.add(path)
+        return _inlined(path.read_text(), seen) + "\n"
+
+    return _INCLUDE.sub(include, header)
+
+
+def host_source(call: KernelCall) -> str:
+    """The kernel's whole source for the host: emulated_cuda.h, its header and its
+    `__global__` function as MLX writes them (`KernelCall.parameters`), and
+    `emulated_body`, which calls it with a launch's arguments, and `emulated_run`."""
+    parameters = call.parameters()
+    unpacked = []
+    for index, (kind, _) in enumerate(parameters):
+        ctype = kind.removeprefix("const ").removeprefix("__grid_constant__ ")
+        if ctype.endswith("*"):
+            unpacked.append(f"static_cast<{ctype}>(a[{index}])")
+        else:
+            unpacked.append(f"*static_cast<const {ctype}*>(a[{index}])")
+    signature = ",\n".join(f"    {kind} {name}" for kind, name in parameters)
+    kernel = f"custom_kernel_{call.name}"
+    text = (
+        f"{_inlined(call.header, set())}namespace mlx::core::cu {{\n\n"
+        "namespace cg = cooperative_groups;\n\n"
+        f"__global__ void {kernel}(\n{signature}) {{\n{call.source}\n}}\n\n"
+        "}  // namespace mlx::core::cu\n"
+    )
+    unpacking = ",\n        ".join(unpacked)
+    return (
+        f'#include "{HEADER}"\n'
+        "using namespace mlx::core::cu;\n"
+        f"{host_code(text)}\n"
+        'extern "C" void emulated_body(void* const* a) {\n'
+        f"    mlx::core::cu::{kernel}(\n        {unpacking});\n}}\n\n"
+        'extern "C" const char* emulated_run(void* const* a, const unsigned int* blocks,\n'
+        "        const unsigned int* threads, unsigned char* shared, size_t stack) {\n"
+        "    return emulated::launch(emulated_body, a, blocks, threads, shared, stack);\n}\n"
+    )
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept."""
+    found = os.environ.get(CACHE_ENV)
+    return Path(found) if found else Path.home() / ".cache" / "kvspec" / "emulated-cuda"
+
+
+@cache
+def built(source: str) -> ctypes.CDLL:
+    """The shared library of a host source, built once (kept in `cache_dir()` by the hash
+    of the source, the shim and the flags) and loaded once a process."""
+    compiler = os.environ.get("CXX", "g++")
+    digest = hashlib.sha256(
+        "\0".join([source, HEADER.read_text(), compiler, *FLAGS]).encode()
+    ).hexdigest()[:32]
+    folder = cache_dir()
+    library = folder / f"{digest}.so"
+    if not library.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as work:
+            source_path = Path(work) / "kernel.cpp"
+            source_path.write_text(source)
+            done = subprocess.run(
+                [compiler, *FLAGS, str(source_path), "-o", str(Path(work) / "kernel.so")],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"the kernel's host build failed:\n{done.stderr[-4000:]}")
+            os.replace(Path(work) / "kernel.so", library)
+    loaded = ctypes.CDLL(str(library))
+    loaded.emulated_run.restype = ctypes.c_char_p
+    loaded.emulated_run.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_uint),
+        ctypes.POINTER(ctypes.c_uint),
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+    ]
+    return loaded
+
+
+def host_array(array: mx.array, strided: bool) -> np.ndarray:
+    """`array`'s values in a NumPy array (bfloat16 as its bits); with `strided`, a view of a
+    larger buffer whose rows are apart by more than their length (a multiple of 16 bytes),
+    the rest NaN bytes."""
+    values = np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+    values = values.astype(_NUMPY_OF[array.dtype], copy=False)
+    if not strided or values.ndim < 2:
+        return np.ascontiguousarray(values)
+    width = values.shape[-1]
+    unit = max(1, 16 // values.itemsize)  # rows stay 16-byte aligned, as a buffer's are
+    padded = np.empty((*values.shape[:-1], -(-(2 * width + 1) // unit) * unit), values.dtype)
+    padded.view(np.uint8)[...] = 0xFF
+    view = padded[..., :width]
+    view[...] = values
+    return view
+
+
+def _dims(values: Sequence[int], ctype: type) -> Any:
+    dims = (ctype * 10)()
+    dims[: len(values)] = list(values)
+    return dims
+
+
+def emulated_kernel(
+    name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    source: str,
+    header: str = "",
+    ensure_row_contiguous: bool = True,
+    shared_memory: int = 0,
+    **_: object,
+) -> Any:
+    """`mx.fast.cuda_kernel` run on the CPU: the kernel object, whose call launches it."""
+
+    def launch(
+        *,
+        inputs: Sequence[mx.array],
+        output_shapes: Sequence[Sequence[int]],
+        output_dtypes: Sequence[mx.Dtype],
+        grid: Sequence[int],
+        threadgroup: Sequence[int],
+        init_value: float | None = None,
+        **__: object,
+    ) -> list[mx.array]:
+        call = KernelCall(
+            name,
+            source,
+            header,
+            tuple(input_names),
+            tuple(output_names),
+            tuple(inputs),
+            tuple(output_dtypes),
+            shared_memory,
+        )
+        library = built(host_source(call))
+        held: list[Any] = []
+        for input_name, array in zip(input_names, inputs, strict=True):
+            strided = not ensure_row_contiguous and f"{input_name}_strides" in source
+            values = host_array(array, strided)
+            held.append(values)
+            if array.ndim > 0:
+                for suffix in ("shape", "strides", "ndim"):
+                    if f"{input_name}_{suffix}" not in source:
+                        continue
+                    if suffix == "shape":
+                        held.append(_dims(values.shape, ctypes.c_int32))
+                    elif suffix == "strides":
+                        steps = [stride // values.itemsize for stride in values.strides]
+                        held.append(_dims(steps, ctypes.c_int64))
+                    else:
+                        held.append(ctypes.c_int(values.ndim))
+        outputs = []
+        for shape, dtype in zip(output_shapes, output_dtypes, strict=True):
+            output = np.empty(tuple(shape), _NUMPY_OF[dtype])
+            if init_value is None:
+                output.view(np.uint8)[...] = 0xFF
+            elif dtype == mx.bfloat16:
+                output[...] = np.array(mx.array(init_value, mx.bfloat16).view(mx.uint16))
+            else:
+                output[...] = init_value
+            outputs.append(output)
+            held.append(output)
+        pointers = (ctypes.c_void_p * len(held))(
+            *[
+                item.ctypes.data if isinstance(item, np.ndarray) else ctypes.addressof(item)
+                for item in held
+            ]
+        )
+        blocks = []
+        for total, per_block in zip(grid, threadgroup, strict=True):
+            if per_block < 1 or total % per_block:
+                raise ValueError(f"{name}: a grid of {grid} threads in blocks of {threadgroup}")
+            blocks.append(total // per_block)
+        shared = np.full(max(shared_memory, 1), 0xFF, np.uint8)
+        error = library.emulated_run(
+            pointers,
+            (ctypes.c_uint * 3)(*blocks),
+            (ctypes.c_uint * 3)(*threadgroup),
+            shared.ctypes.data,
+            STACK_BYTES,
+        )
+        if error is not None:
+            raise RuntimeError(f"{name}: {error.decode()}")
+        made = [mx.array(output) for output in outputs]
+        return [
+            array.view(mx.bfloat16) if dtype == mx.bfloat16 else array
+            for array, dtype in zip(made, output_dtypes, strict=True)
+        ]
+
+    return launch
+
+
+@contextmanager
+def emulated_cuda_path() -> Iterator[None]:
+    """The CUDA path, its kernels run on the CPU, for the time of the block."""
+    with cuda_patches(emulated_kernel):
+        yield
