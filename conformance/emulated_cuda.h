@@ -339,7 +339,7 @@ struct Runtime {
     int warp_live[32] = {};
     // Per warp, two sets of each lane's words: consecutive collectives use alternate sets,
     // so that a lane that has gone on does not overwrite what a slower one has yet to read.
-    unsigned long long exchange[32][2][32][EXCHANGE_WORDS] = {};
+    unsigned long long exchange[32][2][32][EXCHANGE_WORDS + 1] = {};
     const char* error = nullptr;
 };
 
@@ -429,24 +429,26 @@ inline void wait(Barrier& barrier, const int* live) {
 }
 
 // This lane's words handed to its warp; once every live lane of the warp has handed its
-// own, every lane's words, by lane. The lanes a warp's collective names are all 32 (a
-// block of fewer threads, or lanes that have returned, leave them out: a collective of
-// the rest, as a GPU runs it).
+// own, every lane's words, by lane, with the collective's number in word EXCHANGE_WORDS
+// (a lane that did not join it holds another). The lanes a warp's collective names are
+// all 32; a block of fewer threads, or lanes that have returned, leave some out: a
+// collective of the rest, as a GPU runs it.
 inline const unsigned long long (*exchange(unsigned int mask, const unsigned long long* mine,
-                                           int words))[EXCHANGE_WORDS] {
+                                           int words))[EXCHANGE_WORDS + 1] {
     Runtime& r = runtime;
     if (mask != 0xffffffffu) fail("a warp collective with a mask other than all 32 lanes");
     const int w = warp();
-    const int set = r.fibers[r.current].collectives++ & 1;
-    memcpy(r.exchange[w][set][lane()], mine, words * sizeof(unsigned long long));
+    const unsigned int number = ++r.fibers[r.current].collectives;
+    unsigned long long* slot = r.exchange[w][number & 1][lane()];
+    memcpy(slot, mine, words * sizeof(unsigned long long));
+    slot[EXCHANGE_WORDS] = number;
     wait(r.warps[w], &r.warp_live[w]);
-    return r.exchange[w][set];
+    return r.exchange[w][number & 1];
 }
 
-// Whether lane `source` of the calling thread's warp has a thread that has not returned.
-inline bool lane_live(int source) {
-    const int thread = warp() * 32 + source;
-    return thread < runtime.count && !runtime.fibers[thread].done;
+// Whether lane `source` joined the collective whose words are `words`.
+inline bool joined(const unsigned long long (*words)[EXCHANGE_WORDS + 1], int source) {
+    return words[source][EXCHANGE_WORDS] == runtime.fibers[runtime.current].collectives;
 }
 
 template <typename T>
@@ -469,7 +471,7 @@ inline T shuffle(unsigned int mask, T value, int source) {
     const auto words = exchange(mask, &mine, 1);
     // A lane without a live thread gives an undefined value: NaN bits here, so that a
     // result that uses it shows.
-    return value_of<T>(lane_live(source) ? words[source][0] : ~0ull);
+    return value_of<T>(joined(words, source) ? words[source][0] : ~0ull);
 }
 
 inline unsigned int ballot(unsigned int mask, bool predicate) {
@@ -477,7 +479,7 @@ inline unsigned int ballot(unsigned int mask, bool predicate) {
     const auto words = exchange(mask, &mine, 1);
     unsigned int bits = 0;
     for (int l = 0; l < 32; ++l) {
-        if (lane_live(l)) bits |= static_cast<unsigned int>(words[l][0] & 1u) << l;
+        if (joined(words, l)) bits |= static_cast<unsigned int>(words[l][0] & 1u) << l;
     }
     return bits;
 }
@@ -502,7 +504,9 @@ inline void mma(float& d0, float& d1, float& d2, float& d3, const unsigned int (
     for (int i = 0; i < 2; ++i) mine[4 + i] = b[i];
     for (int i = 0; i < 4; ++i) mine[6 + i] = __float_as_uint(c[i]);
     const auto words = exchange(0xffffffffu, mine, EXCHANGE_WORDS);
-    if (runtime.warp_live[warp()] != 32) fail("an MMA in a warp without 32 live lanes");
+    for (int l = 0; l < 32; ++l) {
+        if (!joined(words, l)) fail("an MMA in a warp without 32 live lanes");
+    }
     auto a_at = [&](int row, int k) -> double {
         if constexpr (K == 16) {
             const int owner = (row % 8) * 4 + (k % 8) / 2;

@@ -321,11 +321,12 @@ def emulated_kernel(
                 for item in held
             ]
         )
-        blocks = []
-        for total, per_block in zip(grid, threadgroup, strict=True):
-            if per_block < 1 or total % per_block:
-                raise ValueError(f"{name}: a grid of {grid} threads in blocks of {threadgroup}")
-            blocks.append(total // per_block)
+        if min(threadgroup) < 1:
+            raise ValueError(f"{name}: blocks of {threadgroup} threads")
+        # As MLX launches it: enough blocks to cover the grid's threads in each dimension.
+        blocks = [
+            -(-total // per_block) for total, per_block in zip(grid, threadgroup, strict=True)
+        ]
         shared = np.full(max(shared_memory, 1), 0xFF, np.uint8)
         error = library.emulated_run(
             pointers,
