@@ -58,17 +58,21 @@ _ASM = re.compile(r"\basm\s*(?:volatile\s*)?\(")
 _OPERAND = re.compile(r'\s*"([=+&]*)(\w)"\s*\((.*)\)\s*$', re.S)
 _TEMPLATE_OPERAND = re.compile(r"%(\d+)|\b(0x[0-9a-fA-F]+|\d+)\b")
 
-_NUMPY_OF = {
-    mx.bool_: np.bool_,
-    mx.int8: np.int8,
-    mx.int32: np.int32,
-    mx.uint8: np.uint8,
-    mx.uint16: np.uint16,
-    mx.uint32: np.uint32,
-    mx.float16: np.float16,
-    mx.bfloat16: np.uint16,  # its bits
-    mx.float32: np.float32,
-}
+
+@cache
+def numpy_type(dtype: mx.Dtype) -> type:
+    """The NumPy type holding an MLX dtype's values (bfloat16: its bits)."""
+    return {
+        mx.bool_: np.bool_,
+        mx.int8: np.int8,
+        mx.int32: np.int32,
+        mx.uint8: np.uint8,
+        mx.uint16: np.uint16,
+        mx.uint32: np.uint32,
+        mx.float16: np.float16,
+        mx.bfloat16: np.uint16,
+        mx.float32: np.float32,
+    }[dtype]
 
 
 def _closing(text: str, start: int) -> int:
@@ -152,7 +156,8 @@ def _inlined(header: str, seen: set[Path]) -> str:
         if path in seen:
             return ""
         seen.add(path)
-        return _inlined(path.read_text(), seen) + "\n"
+        text = path.read_text().replace("#pragma once\n", "")  # once is by `seen` here
+        return _inlined(text, seen) + "\n"
 
     return _INCLUDE.sub(include, header)
 
@@ -237,7 +242,7 @@ def host_array(array: mx.array, strided: bool) -> np.ndarray:
     larger buffer whose rows are apart by more than their length (a multiple of 16 bytes),
     the rest NaN bytes."""
     values = np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
-    values = values.astype(_NUMPY_OF[array.dtype], copy=False)
+    values = values.astype(numpy_type(array.dtype), copy=False)
     if not strided or values.ndim < 2:
         return np.ascontiguousarray(values)
     width = values.shape[-1]
@@ -306,7 +311,7 @@ def emulated_kernel(
                         held.append(ctypes.c_int(values.ndim))
         outputs = []
         for shape, dtype in zip(output_shapes, output_dtypes, strict=True):
-            output = np.empty(tuple(shape), _NUMPY_OF[dtype])
+            output = np.empty(tuple(shape), numpy_type(dtype))
             if init_value is None:
                 output.view(np.uint8)[...] = 0xFF
             elif dtype == mx.bfloat16:

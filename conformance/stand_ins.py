@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # the suite runs a port's backend without MLX
     import mlx.core as mx
 
 
+#: Set to "1" to run a pytest session with the MLX backend on its CUDA path, its kernels
+#: run on the CPU (conformance/emulated_cuda.py, conformance/conftest.py).
+EMULATED_CUDA_ENV = "KVSPEC_EMULATED_CUDA"
+
+
 @dataclass(frozen=True)
 class KernelCall:
     """One kernel as the path made it (`mx.fast.cuda_kernel`'s arguments) and the arrays of

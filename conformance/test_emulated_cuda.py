@@ -190,7 +190,9 @@ def test_sixteen_bit_conversions_round_to_nearest_even() -> None:
     finite = ~np.isnan(values)
     np.testing.assert_array_equal(got_bf[finite], want_bf[finite])
     assert np.isnan(values.astype(ml_dtypes.bfloat16)[~finite]).all()
-    np.testing.assert_array_equal(hf[finite], values.astype(np.float16)[finite])
+    with np.errstate(over="ignore"):  # 65520 overflows float16, as it should
+        want_hf = values.astype(np.float16)
+    np.testing.assert_array_equal(hf[finite], want_hf[finite])
 
 
 def test_a_barrier_no_thread_can_open_stops_the_launch() -> None:

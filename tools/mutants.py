@@ -952,10 +952,13 @@ def copy_environment(path: Path, profile: str) -> dict[str, str]:
 
 
 def on_cuda() -> bool:
-    """Whether this process's MLX runs the CUDA kernels (what a CUDA mutant needs)."""
+    """Whether the tests' runs reach the CUDA kernels (what a CUDA mutant needs): this
+    process's MLX runs them, or the runs emulate them (KVSPEC_EMULATED_CUDA=1, which each
+    run's environment inherits)."""
     from kvspec.accelerated.device import fused_kernels_enabled
+    from kvspec.conformance.stand_ins import EMULATED_CUDA_ENV
 
-    return fused_kernels_enabled()
+    return fused_kernels_enabled() or os.environ.get(EMULATED_CUDA_ENV) == "1"
 
 
 def run_tests(mutant: Mutant, profile: str, timeout: float) -> tuple[str, float]:
