@@ -62,10 +62,12 @@ def accelerated_backend() -> Backend:
     """The MLX backend, on MLX's default device."""
     import mlx.core as mx
 
+    from kvspec.accelerated import device
     from kvspec.accelerated.caches.attention import attention_roundoff
     from kvspec.accelerated.dtypes import from_numpy, to_numpy
 
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    # MLX's CPU ops, unless the CUDA kernels run there (conformance/emulated_cuda.py).
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu and not device.fused_kernels_enabled()
     return Backend(
         name="accelerated",
         package="kvspec.accelerated",

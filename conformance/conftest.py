@@ -52,14 +52,18 @@ def emulated_cuda() -> Iterator[bool]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under emulated kernels, the compiled step's tests skip: a kernel that runs on the
-    CPU needs its inputs' values, which a function being compiled does not have."""
+    """Under emulated kernels, what needs a lazy kernel skips: the compiled step's tests (a
+    function being compiled has no values to hand a kernel run on the CPU) and those
+    marked lazy_graph (an emulated kernel evaluates its inputs as it is called)."""
     if os.environ.get(EMULATED_CUDA_ENV) != "1":
         return
-    skip = pytest.mark.skip(reason="emulated kernels cannot run inside mx.compile")
+    compiled = pytest.mark.skip(reason="emulated kernels cannot run inside mx.compile")
+    graph = pytest.mark.skip(reason="an emulated kernel evaluates its inputs when called")
     for item in items:
         if item.path.name == "test_compiled_step.py":
-            item.add_marker(skip)
+            item.add_marker(compiled)
+        elif item.get_closest_marker("lazy_graph"):
+            item.add_marker(graph)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

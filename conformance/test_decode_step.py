@@ -621,6 +621,7 @@ def test_a_decode_read_of_one_row_at_every_head_dim_returns_its_values_as_decode
         assert_same_bits(actual.astype(wanted.dtype), wanted, f"{kind} at {head_dim}")
 
 
+@pytest.mark.lazy_graph
 @pytest.mark.parametrize("kind", sorted(READ_KINDS))
 def test_a_decode_append_writes_its_rows_at_a_static_start(backend: Backend, kind: str) -> None:
     """CACHE-3, RING-2 on MLX: the graph of a decode read writes the new row with static

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from kvspec.accelerated import device
 from kvspec.accelerated.caches.protocol import Mask
 
 
@@ -56,6 +57,7 @@ def _check_query_fit(
 def attention_roundoff() -> float:
     """Unit roundoff of the products and sums of float32 attention on MLX's default
     device (READ-1): on CUDA, attention outside the fused one-query kernel multiplies
-    through TF32 (10 fraction bits, 2^-11); on the CPU it is IEEE float32 (2^-24)."""
+    through TF32 (10 fraction bits, 2^-11), and so do the kernels' reads on tensor cores
+    wherever the kernels run; on the CPU it is IEEE float32 (2^-24)."""
     on_cuda = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
-    return 2.0**-11 if on_cuda else 2.0**-24
+    return 2.0**-11 if on_cuda or device.fused_kernels_enabled() else 2.0**-24
