@@ -13,8 +13,10 @@ the editable install, and each run checks that it imports the copy.
     .venv/bin/python tools/mutants.py ring-wraps-early trim-past-offset --runs 3
 
 Prints a Markdown table (mutant, file, fault, tests, result per run, seconds); exits 1
-when a mutant is missed, does not apply, or errs. A fault in a CUDA kernel runs only where
-MLX runs the kernels (a CUDA device); elsewhere its result is "needs CUDA".
+when a mutant is missed, does not apply, or errs. A fault in a CUDA kernel is caught on a
+GPU by the tests that reach the kernels there, and anywhere else by
+conformance/test_kernels_emulated.py, which runs the kernels' source on the CPU; each
+such mutant names tests of both.
 docs/mutants.md holds the catalogue and its last result.
 """
 
@@ -47,13 +49,6 @@ class Mutant:
     after: str
     fault: str
     tests: tuple[str, ...]
-    #: A fault in a CUDA kernel, which only a run on a CUDA device reaches: elsewhere it is
-    #: reported as NEEDS_CUDA, not run.
-    needs_cuda: bool = False
-
-
-#: The result of a CUDA mutant off a CUDA device (neither caught nor missed).
-NEEDS_CUDA = "needs CUDA"
 
 
 KV = "conformance/test_caches_kv.py"
@@ -75,6 +70,12 @@ GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
 #: The reads of affine values with scaled weights (READ-7) at 4 query heads per KV head.
 SCALED_READS = f"{DECODE}::test_decode_read_of_stored_fields_is_within_bound[default-4-affine-4-64]"
+#: The same tests with the kernels emulated on the CPU (conformance/test_kernels_emulated.py).
+EMULATED = "conformance/test_kernels_emulated.py"
+EMULATED_FAR_ZERO = f"{EMULATED}::test_turboquant_far_zero_reads_are_within_bound"
+EMULATED_SCALED_READS = (
+    f"{EMULATED}::test_reads_of_stored_fields_are_within_bound[default-affine-4-64]"
+)
 FAR_ZERO_READS = (
     "conformance/test_decode_step.py::"
     "test_turboquant_reads_of_far_zero_points_and_extreme_queries_are_within_bound"
@@ -859,8 +860,7 @@ CATALOGUE = (
         "                            s[0][1] = fmaf(g1.scale(0), full1,",
         "TurboQuant's group scores on tensor cores apply group 0's scale to every group of a "
         "key (READ-7)",
-        (FAR_ZERO_READS,),
-        needs_cuda=True,
+        (FAR_ZERO_READS, EMULATED_FAR_ZERO),
     ),
     Mutant(
         "cuda-turbo-group-scores-pairs-swapped",
@@ -872,8 +872,8 @@ CATALOGUE = (
         (
             FAR_ZERO_READS,
             f"{COMPILED}::test_compiled_steps_store_the_eager_bits[turbo k8v4 dense-eager]",
+            EMULATED_FAR_ZERO,
         ),
-        needs_cuda=True,
     ),
     Mutant(
         "cuda-turbo-group-scores-offset",
@@ -886,8 +886,8 @@ CATALOGUE = (
         (
             FAR_ZERO_READS,
             f"{COMPILED}::test_compiled_steps_store_the_eager_bits[turbo k8v4 dense-eager]",
+            EMULATED_FAR_ZERO,
         ),
-        needs_cuda=True,
     ),
     Mutant(
         "cuda-affine-scaled-weights-bias-unrescaled",
@@ -898,8 +898,9 @@ CATALOGUE = (
         (
             SCALED_READS,
             f"{DECODE}::test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound[affine-4-64]",
+            EMULATED_SCALED_READS,
+            f"{EMULATED}::test_reads_whose_maxima_rise_are_within_bound[affine-4-64]",
         ),
-        needs_cuda=True,
     ),
     Mutant(
         "cuda-affine-scaled-weights-half-offset",
@@ -910,8 +911,9 @@ CATALOGUE = (
         (
             SCALED_READS,
             f"{DECODE}::test_a_decode_read_of_one_row_returns_its_values_as_decoded[default-affine-4-64]",
+            EMULATED_SCALED_READS,
+            f"{EMULATED}::test_one_row_reads_return_its_values[affine-4-64]",
         ),
-        needs_cuda=True,
     ),
 )
 
@@ -951,21 +953,8 @@ def copy_environment(path: Path, profile: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": search, "HYPOTHESIS_PROFILE": profile}
 
 
-def on_cuda() -> bool:
-    """Whether the tests' runs reach the CUDA kernels (what a CUDA mutant needs): this
-    process's MLX runs them, or the runs emulate them (KVSPEC_EMULATED_CUDA=1, which each
-    run's environment inherits)."""
-    from kvspec.accelerated.device import fused_kernels_enabled
-    from kvspec.conformance.stand_ins import EMULATED_CUDA_ENV
-
-    return fused_kernels_enabled() or os.environ.get(EMULATED_CUDA_ENV) == "1"
-
-
 def run_tests(mutant: Mutant, profile: str, timeout: float) -> tuple[str, float]:
-    """('caught' | 'missed' | NEEDS_CUDA | 'error: ...', seconds) of one run on a fresh
-    copy."""
-    if mutant.needs_cuda and not on_cuda():
-        return NEEDS_CUDA, 0.0
+    """('caught' | 'missed' | 'error: ...', seconds) of one run on a fresh copy."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         project, path = copy_project(Path(tmp))
         try:
@@ -1052,8 +1041,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{mutant.name}: {', '.join(results)} ({total:.0f} s)", file=sys.stderr)
         rows.append((mutant, results, total / args.runs))
     print(table(rows))
-    passed = ("caught", NEEDS_CUDA)
-    return 0 if all(result in passed for _, results, _ in rows for result in results) else 1
+    return 0 if all(result == "caught" for _, results, _ in rows for result in results) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""The CUDA kernels' own source, run on the CPU (conformance/emulated_cuda.py) in every run
+of the suite, so that a change to a kernel meets its tests where no GPU is: a selection of
+the GPU half's tests (docs/gpu.md), each called with the MLX backend on its CUDA path, its
+kernels emulated. The encoders are held to the reference's bits, the reads to READ-7's
+bounds, as on a GPU. Skipped where the kernels already run (on a GPU, or in a session
+under KVSPEC_EMULATED_CUDA=1): the GPU half's tests themselves reach them there."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvspec.conformance import test_decode_step as decode_step
+from kvspec.conformance.backend import Backend
+
+
+@pytest.fixture
+def emulated(backend: Backend) -> Iterator[Backend]:
+    """The MLX backend with its CUDA kernels emulated, as a GPU session sees it."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's kernels")
+    from kvspec.accelerated.device import fused_kernels_enabled
+    from kvspec.conformance.backend import accelerated_backend
+    from kvspec.conformance.emulated_cuda import emulated_cuda_path
+
+    if fused_kernels_enabled():
+        pytest.skip("the kernels run in this session: the GPU half's tests reach them")
+    with emulated_cuda_path():
+        yield accelerated_backend()
+
+
+@pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
+@pytest.mark.parametrize("body", ["default", "cuda-cores"])
+def test_reads_of_stored_fields_are_within_bound(emulated: Backend, kind: str, body: str) -> None:
+    decode_step.test_decode_read_of_stored_fields_is_within_bound(emulated, kind, 4, body)
+
+
+@pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
+def test_one_row_reads_return_its_values(emulated: Backend, kind: str) -> None:
+    decode_step.test_a_decode_read_of_one_row_returns_its_values_as_decoded(
+        emulated, kind, "default"
+    )
+
+
+@pytest.mark.parametrize("kind", ["kv", "affine-4-64", "affine-8-32", "turbo-k8v4-dense"])
+def test_reads_whose_maxima_rise_are_within_bound(emulated: Backend, kind: str) -> None:
+    decode_step.test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound(emulated, kind)
+
+
+@pytest.mark.parametrize(
+    ("kernels", "head_dim", "dtype", "magnitude"),
+    [
+        ("dense", 128, "bfloat16", 1e-6),
+        ("deferred", 64, "bfloat16", 1e2),
+        ("deferred", 64, "float32", 3e3),
+    ],
+)
+def test_turboquant_far_zero_reads_are_within_bound(
+    emulated: Backend, kernels: str, head_dim: int, dtype: str, magnitude: float
+) -> None:
+    decode_step.test_turboquant_reads_of_far_zero_points_and_extreme_queries_are_within_bound(
+        emulated, kernels, head_dim, dtype, magnitude
+    )
+
+
+@pytest.mark.parametrize("kind", ["affine-4-64", "turbo-k8v4-dense", "bf16-first-turbo"])
+def test_bad_deferred_appends_read_nan(emulated: Backend, kind: str) -> None:
+    decode_step.test_a_bad_deferred_append_reads_nan_and_is_raised_once(emulated, kind)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 64), (3, 128), (8, 32)])
+def test_affine_encodes_store_the_reference_bits(
+    emulated: Backend, bits: int, group_size: int
+) -> None:
+    decode_step.test_affine_deferred_quantize_stores_the_reference_bits(
+        emulated, bits, group_size, "bfloat16"
+    )
+
+
+def test_turboquant_encodes_store_the_reference_bits(emulated: Backend) -> None:
+    decode_step.test_turboquant_eager_encode_on_fused_path_stores_the_reference_bits(emulated, 128)
