@@ -333,6 +333,7 @@ struct Runtime {
     int live = 0;     // threads of the block that have not returned
     int current = 0;  // the running thread
     int idle = 0;     // resumptions in a row that found their barrier closed
+    int step = 1;     // the next thread to run: this many on (count - 1: the one before)
     void* launcher = nullptr;
     Barrier block;
     Barrier warps[32];
@@ -388,7 +389,7 @@ inline void yield_from(int self, bool returned) {
     }
     int next = self;
     do {
-        next = (next + 1) % r.count;
+        next = (next + r.step) % r.count;
     } while (r.fibers[next].done);
     if (next == self) return;
     r.current = next;
@@ -559,9 +560,12 @@ inline void fiber_main() {
 }
 
 // Run the kernel `body` over the grid, block by block: nullptr, or what stopped it.
+// Between two barriers the threads run one after another: in increasing order, or with
+// `reversed` in decreasing order, so that a result that depends on which of two threads
+// runs first (a race the barriers do not order) shows as two results.
 inline const char* launch(void (*body)(void* const*), void* const* arguments,
                           const unsigned int* blocks, const unsigned int* threads,
-                          unsigned char* shared, size_t stack_bytes) {
+                          unsigned char* shared, size_t stack_bytes, bool reversed) {
     Runtime& r = runtime;
     const int count = static_cast<int>(threads[0] * threads[1] * threads[2]);
     if (count < 1 || count > 1024) return "a block of more than 1024 threads, or none";
@@ -580,6 +584,7 @@ inline const char* launch(void (*body)(void* const*), void* const* arguments,
     r.arguments = arguments;
     r.fibers = fibers;
     r.count = count;
+    r.step = reversed ? count - 1 : 1;
     dynamic_shared = shared;
     blockDim = {threads[0], threads[1], threads[2]};
     gridDim = {blocks[0], blocks[1], blocks[2]};
@@ -606,9 +611,9 @@ inline const char* launch(void (*body)(void* const*), void* const* arguments,
                     for (int saved = 0; saved < 6; ++saved) *--frame = nullptr;
                     fiber.stack_pointer = frame;
                 }
-                r.current = 0;
-                threadIdx = fibers[0].index;
-                emulated_switch(&r.launcher, fibers[0].stack_pointer);
+                r.current = reversed ? count - 1 : 0;
+                threadIdx = fibers[r.current].index;
+                emulated_switch(&r.launcher, fibers[r.current].stack_pointer);
                 error = r.error;
             }
         }

@@ -7,8 +7,10 @@ machine, so the tests that hold it on a GPU (tools/gpu_suite.py's) can run here 
 
 What it holds and what it cannot:
 - every thread of a block runs, each as a fiber; barriers and warp collectives (shuffles,
-  votes, MMAs) are met by all the threads they name, or the launch fails. A race that the
-  barriers do not order may go unseen, since the fibers switch only at barriers;
+  votes, MMAs) are met by all the threads they name, or the launch fails. Fibers switch
+  only at barriers, one after another in increasing order of thread, or in decreasing order
+  (`emulated_cuda_path(reversed_order=True)`): a race the barriers do not order shows where
+  the two orders give different outputs, and otherwise goes unseen;
 - arithmetic is IEEE single precision without contraction, so the encoders, which spell
   every rounding (`__fmul_rn` and kin), store the bits they store on a GPU; the reads,
   whose sums the compiler may contract and the tensor cores order as they do, are held
@@ -33,7 +35,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -190,8 +192,10 @@ def host_source(call: KernelCall) -> str:
         'extern "C" void emulated_body(void* const* a) {\n'
         f"    mlx::core::cu::{kernel}(\n        {unpacking});\n}}\n\n"
         'extern "C" const char* emulated_run(void* const* a, const unsigned int* blocks,\n'
-        "        const unsigned int* threads, unsigned char* shared, size_t stack) {\n"
-        "    return emulated::launch(emulated_body, a, blocks, threads, shared, stack);\n}\n"
+        "        const unsigned int* threads, unsigned char* shared, size_t stack,\n"
+        "        bool reversed) {\n"
+        "    return emulated::launch(emulated_body, a, blocks, threads, shared, stack, "
+        "reversed);\n}\n"
     )
 
 
@@ -233,6 +237,7 @@ def built(source: str) -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_uint),
         ctypes.c_void_p,
         ctypes.c_size_t,
+        ctypes.c_bool,
     ]
     return loaded
 
@@ -268,9 +273,11 @@ def emulated_kernel(
     header: str = "",
     ensure_row_contiguous: bool = True,
     shared_memory: int = 0,
+    reversed_order: bool = False,
     **_: object,
 ) -> Any:
-    """`mx.fast.cuda_kernel` run on the CPU: the kernel object, whose call launches it."""
+    """`mx.fast.cuda_kernel` run on the CPU: the kernel object, whose call launches it.
+    With `reversed_order`, a block's threads run in decreasing order between barriers."""
 
     def launch(
         *,
@@ -339,6 +346,7 @@ def emulated_kernel(
             (ctypes.c_uint * 3)(*threadgroup),
             shared.ctypes.data,
             STACK_BYTES,
+            reversed_order,
         )
         if error is not None:
             raise RuntimeError(f"{name}: {error.decode()}")
@@ -352,7 +360,9 @@ def emulated_kernel(
 
 
 @contextmanager
-def emulated_cuda_path() -> Iterator[None]:
-    """The CUDA path, its kernels run on the CPU, for the time of the block."""
-    with cuda_patches(emulated_kernel):
+def emulated_cuda_path(reversed_order: bool = False) -> Iterator[None]:
+    """The CUDA path, its kernels run on the CPU, for the time of the block; with
+    `reversed_order`, each block's threads in decreasing order between barriers (a kernel
+    whose outputs change with it holds a race)."""
+    with cuda_patches(partial(emulated_kernel, reversed_order=reversed_order)):
         yield

@@ -297,3 +297,28 @@ def test_lop3_and_ex2_and_tf32_rounding() -> None:
     np.testing.assert_allclose(ex2[2:], np.exp2(x[2:].astype(np.float64)), rtol=2e-7)
     # Ties go away from zero: 1 + 2^-11 up to 1 + 2^-10, 1 + 3 2^-11 up to 1 + 2^-9.
     np.testing.assert_array_equal(tf32.view(np.float32), [3.0, -130.0, 1 + 2.0**-10, 1 + 2.0**-9])
+
+
+RACE = """
+    __shared__ float seen[64];
+    seen[threadIdx.x] = threadIdx.x;
+    BARRIER
+    out[threadIdx.x] = seen[(threadIdx.x + 1) % 64];
+"""
+
+
+def test_the_two_orders_show_a_race_the_barriers_do_not_order() -> None:
+    # Without the barrier, thread t reads what thread t + 1 has yet to write in one order
+    # and has written in the other.
+    def both(source: str) -> list[np.ndarray]:
+        outputs = {"out": ((64,), mx.float32)}
+        return [
+            launch(source, {"unused": mx.zeros((1,))}, outputs, 64, reversed_order=order)[0]
+            for order in (False, True)
+        ]
+
+    forward, backward = both(RACE.replace("BARRIER", ""))
+    assert not np.array_equal(forward, backward, equal_nan=True)
+    forward, backward = both(RACE.replace("BARRIER", "__syncthreads();"))
+    np.testing.assert_array_equal(forward, (np.arange(64) + 1) % 64)
+    np.testing.assert_array_equal(backward, forward)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from kvspec.conformance import test_decode_step as decode_step
 from kvspec.conformance.backend import Backend
+from kvspec.conformance.compare import assert_same_bits
 
 
 @pytest.fixture
@@ -34,6 +37,44 @@ def emulated(backend: Backend) -> Iterator[Backend]:
 @pytest.mark.parametrize("body", ["default", "cuda-cores"])
 def test_reads_of_stored_fields_are_within_bound(emulated: Backend, kind: str, body: str) -> None:
     decode_step.test_decode_read_of_stored_fields_is_within_bound(emulated, kind, 4, body)
+
+
+@pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
+def test_steps_do_not_race(backend: Backend, kind: str) -> None:
+    """A window and three decode steps, each block's threads run in increasing order between
+    barriers and then in decreasing order: the kernels' outputs and the stored state are the
+    same bits (a race the barriers do not order would make them differ)."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's kernels")
+    from kvspec.accelerated.device import fused_kernels_enabled
+    from kvspec.conformance.emulated_cuda import emulated_cuda_path
+
+    if fused_kernels_enabled():
+        pytest.skip("the kernels run in this session: the GPU half's tests reach them")
+    runs = []
+    for reversed_order in (False, True):
+        with emulated_cuda_path(reversed_order):
+            runs.append(_steps(backend, kind))
+    for index, (forward, backward) in enumerate(zip(*runs, strict=True)):
+        assert_same_bits(forward, backward, f"array {index}")
+
+
+def _steps(backend: Backend, kind: str) -> list[np.ndarray]:
+    """The reads' outputs and the state's arrays of a window and three decode steps."""
+    head_dim = 256 if kind.endswith("head256") else 128
+    rng = np.random.default_rng(11)
+    cache = decode_step.READ_KINDS[kind](backend.module("caches"))
+
+    def rows(length: int, heads: int = 2):
+        values = rng.standard_normal((1, heads, length, head_dim)).astype(np.float32)
+        return backend.from_numpy(values.astype(ml_dtypes.bfloat16))
+
+    cache.append_window(rows(45), rows(45))
+    outputs = []
+    for _ in range(3):
+        read = cache.append_decode(rows(1), rows(1))
+        outputs.append(backend.to_numpy(read.attend(rows(1, heads=8), head_dim**-0.5)))
+    return [*outputs, *(backend.to_numpy(array) for array in cache.state().arrays)]
 
 
 @pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))

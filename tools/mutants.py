@@ -890,6 +890,15 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "cuda-rotated-merge-barrier-missing",
+        "accelerated/cuda/decode_attention.cuh",
+        "            if (part == 0) lane[turn][d] = value;\n            __syncthreads();\n",
+        "            if (part == 0) lane[turn][d] = value;\n",
+        "the rotated merge's butterflies across warps read their partner before it is written: "
+        "a race no barrier orders (TQ-8, READ-7)",
+        (f"{EMULATED}::test_steps_do_not_race[turbo-k8v4-dense]",),
+    ),
+    Mutant(
         "cuda-affine-scaled-weights-bias-unrescaled",
         "accelerated/cuda/decode_attention.cuh",
         "                if constexpr (SCALED_VALUES) bias_sum *= alpha;\n",
