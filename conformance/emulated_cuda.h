@@ -497,9 +497,10 @@ inline double f16_value(unsigned int bits) {
 
 // d = A B + C for m16n8k16 (two 16-bit elements a register, the lower k in the low half)
 // or m16n8k8 tf32, from each lane's a0..a3, b0..b1, c0..c3.
-template <int K>
+// ELEMENT reads one element's bits (a template argument: each call inlined).
+template <int K, double (*ELEMENT)(unsigned int)>
 inline void mma(float& d0, float& d1, float& d2, float& d3, const unsigned int (&a)[4],
-                const unsigned int (&b)[2], const float (&c)[4], double (*element)(unsigned int)) {
+                const unsigned int (&b)[2], const float (&c)[4]) {
     unsigned long long mine[EXCHANGE_WORDS];
     for (int i = 0; i < 4; ++i) mine[i] = a[i];
     for (int i = 0; i < 2; ++i) mine[4 + i] = b[i];
@@ -513,21 +514,21 @@ inline void mma(float& d0, float& d1, float& d2, float& d3, const unsigned int (
             const int owner = (row % 8) * 4 + (k % 8) / 2;
             const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
             const unsigned int word = static_cast<unsigned int>(words[owner][reg]);
-            return element(k % 2 ? word >> 16 : word & 0xFFFFu);
+            return ELEMENT(k % 2 ? word >> 16 : word & 0xFFFFu);
         } else {
             const int owner = (row % 8) * 4 + k % 4;
             const int reg = (row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0);
-            return element(static_cast<unsigned int>(words[owner][reg]));
+            return ELEMENT(static_cast<unsigned int>(words[owner][reg]));
         }
     };
     auto b_at = [&](int k, int col) -> double {
         if constexpr (K == 16) {
             const int owner = col * 4 + (k % 8) / 2;
             const unsigned int word = static_cast<unsigned int>(words[owner][4 + (k >= 8)]);
-            return element(k % 2 ? word >> 16 : word & 0xFFFFu);
+            return ELEMENT(k % 2 ? word >> 16 : word & 0xFFFFu);
         } else {
             const int owner = col * 4 + k % 4;
-            return element(static_cast<unsigned int>(words[owner][4 + (k >= 4)]));
+            return ELEMENT(static_cast<unsigned int>(words[owner][4 + (k >= 4)]));
         }
     };
     const int group = lane() / 4;
@@ -696,22 +697,22 @@ inline void emulated_asm_mma_sync_aligned_m16n8k8_row_col_f32_tf32_tf32_f32(
     float& d0, float& d1, float& d2, float& d3, unsigned int a0, unsigned int a1,
     unsigned int a2, unsigned int a3, unsigned int b0, unsigned int b1, float c0, float c1,
     float c2, float c3) {
-    emulated::mma<8>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3},
-                     emulated::tf32_value);
+    emulated::mma<8, emulated::tf32_value>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1},
+                                         {c0, c1, c2, c3});
 }
 inline void emulated_asm_mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
     float& d0, float& d1, float& d2, float& d3, unsigned int a0, unsigned int a1,
     unsigned int a2, unsigned int a3, unsigned int b0, unsigned int b1, float c0, float c1,
     float c2, float c3) {
-    emulated::mma<16>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3},
-                      emulated::bf16_value);
+    emulated::mma<16, emulated::bf16_value>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1},
+                                          {c0, c1, c2, c3});
 }
 inline void emulated_asm_mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32(
     float& d0, float& d1, float& d2, float& d3, unsigned int a0, unsigned int a1,
     unsigned int a2, unsigned int a3, unsigned int b0, unsigned int b1, float c0, float c1,
     float c2, float c3) {
-    emulated::mma<16>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1}, {c0, c1, c2, c3},
-                      emulated::f16_value);
+    emulated::mma<16, emulated::f16_value>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1},
+                                          {c0, c1, c2, c3});
 }
 
 // MLX's Shape and Strides (mlx/backend/cuda/device/config.h: MAX_NDIM 10).
