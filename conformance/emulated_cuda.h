@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sys/mman.h>
+#include <type_traits>
 #include <unistd.h>
 
 #define __global__
@@ -217,29 +218,9 @@ inline float2 __bfloat1622float2(__nv_bfloat162 pair) {
     return {__bfloat162float(pair.x), __bfloat162float(pair.y)};
 }
 
-// float16 pair arithmetic: exact in double precision, then one rounding.
-inline double emulated_wide(__half h) { return __half2float(h); }
-inline __half2 __hadd2(__half2 a, __half2 b) {
-    return {emulated_half_of(emulated_wide(a.x) + emulated_wide(b.x)),
-            emulated_half_of(emulated_wide(a.y) + emulated_wide(b.y))};
-}
-inline __half2 __hsub2(__half2 a, __half2 b) {
-    return {emulated_half_of(emulated_wide(a.x) - emulated_wide(b.x)),
-            emulated_half_of(emulated_wide(a.y) - emulated_wide(b.y))};
-}
-inline __half2 __hmul2_rn(__half2 a, __half2 b) {
-    return {emulated_half_of(emulated_wide(a.x) * emulated_wide(b.x)),
-            emulated_half_of(emulated_wide(a.y) * emulated_wide(b.y))};
-}
-inline __half2 __hmul2(__half2 a, __half2 b) { return __hmul2_rn(a, b); }
-inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
-    return {emulated_half_of(emulated_wide(a.x) * emulated_wide(b.x) + emulated_wide(c.x)),
-            emulated_half_of(emulated_wide(a.y) * emulated_wide(b.y) + emulated_wide(c.y))};
-}
-
-// bfloat16 pair arithmetic: in double precision, then rounded to odd in float32 (its
-// last bit set where anything below it was cut), which the rounding to bfloat16's 8 bits
-// then leaves as one rounding of the exact result.
+// bfloat16 from double precision: rounded to odd in float32 first (its last bit set where
+// anything below it was cut), which the rounding to bfloat16's 8 bits then leaves as one
+// rounding of the exact value.
 inline __nv_bfloat16 emulated_bfloat16_of(double d) {
     float f = static_cast<float>(d);
     if (std::isfinite(f) && static_cast<double>(f) != d) {
@@ -248,63 +229,59 @@ inline __nv_bfloat16 emulated_bfloat16_of(double d) {
     }
     return __float2bfloat16_rn(f);
 }
+inline double emulated_wide(__half h) { return __half2float(h); }
 inline double emulated_wide(__nv_bfloat16 h) { return __bfloat162float(h); }
-inline __nv_bfloat162 __hadd2(__nv_bfloat162 a, __nv_bfloat162 b) {
-    return {emulated_bfloat16_of(emulated_wide(a.x) + emulated_wide(b.x)),
-            emulated_bfloat16_of(emulated_wide(a.y) + emulated_wide(b.y))};
+inline __half emulated_rounded(double d, __half) { return emulated_half_of(d); }
+inline __nv_bfloat16 emulated_rounded(double d, __nv_bfloat16) { return emulated_bfloat16_of(d); }
+
+// Pair arithmetic of float16 or bfloat16: each half exact in double precision (products
+// and sums of 16-bit values are), then one rounding.
+template <typename P>
+using EmulatedPair =
+    std::enable_if_t<std::is_same_v<P, __half2> || std::is_same_v<P, __nv_bfloat162>, P>;
+template <typename P, typename Op>
+inline P emulated_pairwise(P a, P b, P c, Op op) {
+    return {emulated_rounded(op(emulated_wide(a.x), emulated_wide(b.x), emulated_wide(c.x)), a.x),
+            emulated_rounded(op(emulated_wide(a.y), emulated_wide(b.y), emulated_wide(c.y)), a.y)};
 }
-inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
-    return {emulated_bfloat16_of(emulated_wide(a.x) - emulated_wide(b.x)),
-            emulated_bfloat16_of(emulated_wide(a.y) - emulated_wide(b.y))};
+template <typename P>
+inline EmulatedPair<P> __hadd2(P a, P b) {
+    return emulated_pairwise(a, b, a, [](double x, double y, double) { return x + y; });
 }
-inline __nv_bfloat162 __hmul2_rn(__nv_bfloat162 a, __nv_bfloat162 b) {
-    return {emulated_bfloat16_of(emulated_wide(a.x) * emulated_wide(b.x)),
-            emulated_bfloat16_of(emulated_wide(a.y) * emulated_wide(b.y))};
+template <typename P>
+inline EmulatedPair<P> __hsub2(P a, P b) {
+    return emulated_pairwise(a, b, a, [](double x, double y, double) { return x - y; });
 }
-inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) { return __hmul2_rn(a, b); }
-inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
-    return {emulated_bfloat16_of(emulated_wide(a.x) * emulated_wide(b.x) + emulated_wide(c.x)),
-            emulated_bfloat16_of(emulated_wide(a.y) * emulated_wide(b.y) + emulated_wide(c.y))};
+template <typename P>
+inline EmulatedPair<P> __hmul2_rn(P a, P b) {
+    return emulated_pairwise(a, b, a, [](double x, double y, double) { return x * y; });
+}
+template <typename P>
+inline EmulatedPair<P> __hmul2(P a, P b) {
+    return __hmul2_rn(a, b);
+}
+template <typename P>
+inline EmulatedPair<P> __hfma2(P a, P b, P c) {
+    return emulated_pairwise(a, b, c, [](double x, double y, double z) { return x * y + z; });
 }
 
 // ---- atomics: one host thread runs every fiber, so each is a plain update ----
 
-template <typename T>
-struct Operand {
-    using type = T;  // the value takes the pointer's type, converted as CUDA's overloads do
-};
-
-template <typename T>
-inline T atomicMax(T* at, typename Operand<T>::type value) {
+// The value takes the pointer's type, converted as CUDA's overloads convert it.
+template <typename T, typename Op>
+inline T emulated_update(T* at, T value, Op op) {
     const T old = *at;
-    *at = old < value ? value : old;
+    *at = op(old, value);
     return old;
 }
-template <typename T>
-inline T atomicMin(T* at, typename Operand<T>::type value) {
-    const T old = *at;
-    *at = value < old ? value : old;
-    return old;
+template <typename T, typename V>
+inline T atomicMax(T* at, V value) {
+    return emulated_update(at, static_cast<T>(value), [](T x, T y) { return x < y ? y : x; });
 }
-template <typename T>
-inline T atomicOr(T* at, typename Operand<T>::type value) {
-    const T old = *at;
-    *at = old | value;
-    return old;
+template <typename T, typename V>
+inline T atomicOr(T* at, V value) {
+    return emulated_update(at, static_cast<T>(value), [](T x, T y) { return x | y; });
 }
-template <typename T>
-inline T atomicAnd(T* at, typename Operand<T>::type value) {
-    const T old = *at;
-    *at = old & value;
-    return old;
-}
-template <typename T>
-inline T atomicAdd(T* at, typename Operand<T>::type value) {
-    const T old = *at;
-    *at = old + value;
-    return old;
-}
-
 
 // ---- the fibers ----
 
@@ -693,27 +670,19 @@ inline void emulated_asm_cvt_rna_tf32_f32(unsigned int& d, float x) {
     const unsigned int bits = __float_as_uint(x);
     d = std::isfinite(x) ? (bits + 0x1000u) & 0xFFFFE000u : bits;
 }
-inline void emulated_asm_mma_sync_aligned_m16n8k8_row_col_f32_tf32_tf32_f32(
-    float& d0, float& d1, float& d2, float& d3, unsigned int a0, unsigned int a1,
-    unsigned int a2, unsigned int a3, unsigned int b0, unsigned int b1, float c0, float c1,
-    float c2, float c3) {
-    emulated::mma<8, emulated::tf32_value>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1},
-                                         {c0, c1, c2, c3});
-}
-inline void emulated_asm_mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-    float& d0, float& d1, float& d2, float& d3, unsigned int a0, unsigned int a1,
-    unsigned int a2, unsigned int a3, unsigned int b0, unsigned int b1, float c0, float c1,
-    float c2, float c3) {
-    emulated::mma<16, emulated::bf16_value>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1},
-                                          {c0, c1, c2, c3});
-}
-inline void emulated_asm_mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32(
-    float& d0, float& d1, float& d2, float& d3, unsigned int a0, unsigned int a1,
-    unsigned int a2, unsigned int a3, unsigned int b0, unsigned int b1, float c0, float c1,
-    float c2, float c3) {
-    emulated::mma<16, emulated::f16_value>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1},
-                                          {c0, c1, c2, c3});
-}
+// The MMAs: D in %0..%3, A in %4..%7, B in %8..%9, C in %10..%13, as the kernels write them.
+#define EMULATED_MMA(MNEMONIC, K, ELEMENT)                                                  \
+    inline void emulated_asm_##MNEMONIC(float& d0, float& d1, float& d2, float& d3,        \
+                                        unsigned int a0, unsigned int a1, unsigned int a2, \
+                                        unsigned int a3, unsigned int b0, unsigned int b1, \
+                                        float c0, float c1, float c2, float c3) {          \
+        emulated::mma<K, ELEMENT>(d0, d1, d2, d3, {a0, a1, a2, a3}, {b0, b1},              \
+                                  {c0, c1, c2, c3});                                       \
+    }
+EMULATED_MMA(mma_sync_aligned_m16n8k8_row_col_f32_tf32_tf32_f32, 8, emulated::tf32_value)
+EMULATED_MMA(mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32, 16, emulated::bf16_value)
+EMULATED_MMA(mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32, 16, emulated::f16_value)
+#undef EMULATED_MMA
 
 // MLX's Shape and Strides (mlx/backend/cuda/device/config.h: MAX_NDIM 10).
 namespace mlx::core::cu {

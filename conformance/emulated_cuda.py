@@ -289,15 +289,8 @@ def emulated_kernel(
         init_value: float | None = None,
         **__: object,
     ) -> list[mx.array]:
-        call = KernelCall(
-            name,
-            source,
-            header,
-            tuple(input_names),
-            tuple(output_names),
-            tuple(inputs),
-            tuple(output_dtypes),
-            shared_memory,
+        call = KernelCall.made(
+            name, input_names, output_names, source, header, shared_memory, inputs, output_dtypes
         )
         library = built(host_source(call))
         held: list[Any] = []

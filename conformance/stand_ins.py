@@ -8,7 +8,7 @@ and depend on no input."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,31 @@ class KernelCall:
     output_dtypes: tuple[mx.Dtype, ...]
     #: The dynamic shared memory a block of the kernel is launched with, in bytes.
     shared_memory: int = 0
+
+    @classmethod
+    def made(
+        cls,
+        name: str,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        source: str,
+        header: str,
+        shared_memory: int,
+        inputs: Sequence[mx.array],
+        output_dtypes: Sequence[mx.Dtype],
+    ) -> KernelCall:
+        """The call of a kernel made with `mx.fast.cuda_kernel`'s arguments (the first
+        five and shared_memory) and launched with `inputs` and `output_dtypes`."""
+        return cls(
+            name,
+            source,
+            header,
+            tuple(input_names),
+            tuple(output_names),
+            tuple(inputs),
+            tuple(output_dtypes),
+            shared_memory,
+        )
 
     def parameters(self) -> list[tuple[str, str]]:
         """The kernel's parameters as MLX declares them (0.32,
@@ -98,15 +123,15 @@ def cuda_path() -> Iterator[Launches]:
             launches.calls.append((name, repr(sorted(options.items()))))
             launches.kernels.setdefault(
                 name,
-                KernelCall(
+                KernelCall.made(
                     name,
+                    input_names,
+                    output_names,
                     source,
                     header,
-                    tuple(input_names),
-                    tuple(output_names),
-                    tuple(inputs),
-                    tuple(output_dtypes),
                     shared_memory,
+                    inputs,
+                    output_dtypes,
                 ),
             )
             outputs = zero_outputs(output_shapes, output_dtypes)
