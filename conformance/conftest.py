@@ -54,16 +54,33 @@ def emulated_cuda() -> Iterator[bool]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under emulated kernels, what needs a lazy kernel skips: the compiled step's tests (a
     function being compiled has no values to hand a kernel run on the CPU) and those
-    marked lazy_graph (an emulated kernel evaluates its inputs as it is called)."""
+    marked lazy_graph (an emulated kernel evaluates its inputs as it is called); so do
+    those marked device_detection."""
     if os.environ.get(EMULATED_CUDA_ENV) != "1":
         return
     compiled = pytest.mark.skip(reason="emulated kernels cannot run inside mx.compile")
     graph = pytest.mark.skip(reason="an emulated kernel evaluates its inputs when called")
+    detection = pytest.mark.skip(reason="the emulated kernels replace the device's detection")
     for item in items:
         if item.path.name == "test_compiled_step.py":
             item.add_marker(compiled)
         elif item.get_closest_marker("lazy_graph"):
             item.add_marker(graph)
+        elif item.get_closest_marker("device_detection"):
+            item.add_marker(detection)
+
+
+@pytest.fixture(autouse=True)
+def reads_in_mlx_ops(request: pytest.FixtureRequest) -> None:
+    """Tests marked mlx_ops_reads skip where the CUDA kernels answer the decode reads: they
+    assert bits of MLX's own attention, which the kernels hold to READ-7's bound instead
+    (docs/mlx-lm.md)."""
+    if request.node.get_closest_marker("mlx_ops_reads") is None:
+        return
+    from kvspec.accelerated.device import fused_kernels_enabled
+
+    if fused_kernels_enabled():
+        pytest.skip("asserts MLX attention's bits; the CUDA kernels answer the reads here")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

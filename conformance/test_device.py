@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+# Each test replaces what fused_kernels_enabled asks; emulated kernels replace the function.
+pytestmark = pytest.mark.device_detection
+
 mx = pytest.importorskip("mlx.core")
 
 from kvspec.accelerated import device  # noqa: E402

@@ -117,6 +117,7 @@ def teacher_forced_logits(model, cache, tokens):
     return mx.stack(rows).astype(mx.float32)
 
 
+@pytest.mark.mlx_ops_reads
 def test_bf16_generation_equals_mlx_lm(model) -> None:
     """bf16: greedy tokens over 64 steps and every log-probability equal mlx-lm's own
     caches (KVCache, RotatingKVCache) bit for bit, rings wrapping included."""
@@ -245,6 +246,7 @@ def test_prompt_reuse_equals_mlx_lm(llama) -> None:
     assert results[0] == results[1]
 
 
+@pytest.mark.mlx_ops_reads
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_saved_cache_continues_identically(model, scheme, tmp_path) -> None:
     """save_prompt_cache, load_prompt_cache: the loaded cache generates what the saved one
@@ -480,6 +482,7 @@ def test_lru_prompt_cache_reuses_kvspec_caches(llama) -> None:
     assert results[0] == results[1]
 
 
+@pytest.mark.mlx_ops_reads
 def test_generate_with_a_tokenizer(model_dir, llama) -> None:
     """mlx_lm.generate with the bf16 scheme returns mlx-lm's own text."""
     from mlx_lm import generate

@@ -85,6 +85,7 @@ def generate_batched(
     return [tokens[uid] for uid in uids], [logprobs[uid] for uid in uids]
 
 
+@pytest.mark.mlx_ops_reads
 @pytest.mark.parametrize("prefill_step_size", [2048, 8])
 def test_bf16_batch_equals_mlx_lm(model, prefill_step_size) -> None:
     """bf16: every token and log-probability of every sequence equals mlx-lm's own batch
@@ -104,6 +105,7 @@ def test_bf16_batch_equals_mlx_lm(model, prefill_step_size) -> None:
             )
 
 
+@pytest.mark.mlx_ops_reads
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_row_generates_as_alone(model, scheme) -> None:
     """Compressed schemes without a start: each sequence's tokens equal the same scheme
@@ -157,6 +159,7 @@ def test_bf16_first_batch_switches_as_one(llama, scheme) -> None:
     assert tokens[uids[3]] == alone[0]
 
 
+@pytest.mark.mlx_ops_reads
 def test_batch_generate_with_histories_equals_mlx_lm(llama, model_dir) -> None:  # noqa: F811
     """bf16: `batch_generate` with prompt caches that already hold a prefix beside fresh
     ones (rows holding positions merged with rows holding none) gives mlx-lm's own text,
