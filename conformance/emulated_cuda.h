@@ -48,10 +48,11 @@ constexpr int warpSize = 32;
 // The calling thread's indices, set by the runtime whenever a fiber resumes.
 inline uint3 threadIdx, blockIdx, blockDim, gridDim;
 
-struct float2 {
+// Vector types aligned as CUDA's are: the checked build faults a load that is not.
+struct alignas(8) float2 {
     float x, y;
 };
-struct float4 {
+struct alignas(16) float4 {
     float x, y, z, w;
 };
 struct alignas(8) uint2 {

@@ -15,6 +15,10 @@ What it holds and what it cannot:
   every rounding (`__fmul_rn` and kin), store the bits they store on a GPU; the reads,
   whose sums the compiler may contract and the tensor cores order as they do, are held
   to READ-1's bound as on a GPU;
+- what a GPU faults on or leaves undefined and a CPU would not is checked (UBSan, the
+  reports taken from the launch's standard error): loads at addresses their type's
+  alignment does not divide (a GPU's "misaligned address"), shifts past a word, signed
+  overflow, indices past a fixed array. A report fails the launch;
 - inputs a kernel reads through their strides (`ensure_row_contiguous=False`) are handed
   to it with every stride but the last one's padded, and outputs start as NaN bytes, so
   that a kernel reading a row at the wrong stride, or an output it did not write, reads
@@ -49,8 +53,19 @@ from kvspec.conformance.stand_ins import KernelCall, cuda_patches
 HEADER = Path(__file__).resolve().with_name("emulated_cuda.h")
 #: The variable naming the folder of built kernels.
 CACHE_ENV = "KVSPEC_EMULATED_CUDA_CACHE"
-#: Flags of the build: IEEE arithmetic as written (no contraction, no fast math).
-FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing")
+#: Flags of the build: IEEE arithmetic as written (no contraction, no fast math), and
+#: checks of what a GPU faults on or leaves undefined where a CPU would not (UBSan): a
+#: load at an address its type's alignment does not divide (a GPU's "misaligned
+#: address"), shifts past a word, signed overflow, an index past a fixed array.
+FLAGS = (
+    "-std=c++17",
+    "-O1",
+    "-fPIC",
+    "-shared",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-fsanitize=alignment,shift,signed-integer-overflow,bounds,null",
+)
 #: Bytes of each thread's stack.
 STACK_BYTES = 256 * 1024
 
@@ -199,6 +214,23 @@ def host_source(call: KernelCall) -> str:
     )
 
 
+@contextmanager
+def stderr_kept() -> Iterator[list[str]]:
+    """For the time of the block, what is written to the process's standard error (file
+    descriptor 2, where UBSan reports) is kept, and handed over in the list at its end."""
+    kept: list[str] = []
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield kept
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept.append(sink.read().decode(errors="replace"))
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept."""
     found = os.environ.get(CACHE_ENV)
@@ -333,16 +365,19 @@ def emulated_kernel(
             -(-total // per_block) for total, per_block in zip(grid, threadgroup, strict=True)
         ]
         shared = np.full(max(shared_memory, 1), 0xFF, np.uint8)
-        error = library.emulated_run(
-            pointers,
-            (ctypes.c_uint * 3)(*blocks),
-            (ctypes.c_uint * 3)(*threadgroup),
-            shared.ctypes.data,
-            STACK_BYTES,
-            reversed_order,
-        )
+        with stderr_kept() as written:
+            error = library.emulated_run(
+                pointers,
+                (ctypes.c_uint * 3)(*blocks),
+                (ctypes.c_uint * 3)(*threadgroup),
+                shared.ctypes.data,
+                STACK_BYTES,
+                reversed_order,
+            )
         if error is not None:
             raise RuntimeError(f"{name}: {error.decode()}")
+        if "runtime error:" in written[0]:
+            raise RuntimeError(f"{name}: {written[0].strip()}")
         made = [mx.array(output) for output in outputs]
         return [
             array.view(mx.bfloat16) if dtype == mx.bfloat16 else array

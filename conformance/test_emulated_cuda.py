@@ -322,3 +322,18 @@ def test_the_two_orders_show_a_race_the_barriers_do_not_order() -> None:
     forward, backward = both(RACE.replace("BARRIER", "__syncthreads();"))
     np.testing.assert_array_equal(forward, (np.arange(64) + 1) % 64)
     np.testing.assert_array_equal(backward, forward)
+
+
+def test_a_misaligned_vector_load_fails_the_launch() -> None:
+    # A GPU faults on a 16-byte load from an address 16 does not divide; the CPU would not.
+    source = """
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(x);
+    const uint4 word = *reinterpret_cast<const uint4*>(bytes + 16 * threadIdx.x + OFFSET);
+    out[threadIdx.x] = word.x;
+    """
+    inputs = {"x": mx.zeros((64,), mx.uint32)}
+    outputs = {"out": ((4,), mx.uint32)}
+    (aligned,) = launch(source.replace("OFFSET", "16"), inputs, outputs, 4)
+    np.testing.assert_array_equal(aligned, 0)
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        launch(source.replace("OFFSET", "4"), inputs, outputs, 4)
