@@ -26,7 +26,7 @@ What it holds and what it cannot:
 - an evaluation inside `mx.compile` cannot run one: the launch needs its inputs' values.
 
 Each kernel is built once per source (cached in KVSPEC_EMULATED_CUDA_CACHE, by default
-~/.cache/kvspec/emulated-cuda) with g++ (or $CXX), a few seconds each.
+~/.cache/kvspec/emulated-cuda) with g++ (or $CXX), about half a second each.
 """
 
 from __future__ import annotations
@@ -319,8 +319,12 @@ def emulated_kernel(
         grid: Sequence[int],
         threadgroup: Sequence[int],
         init_value: float | None = None,
+        template: object = None,
         **__: object,
     ) -> list[mx.array]:
+        if template:
+            # The backend writes its constants into the source (cuda_source.cuda_kernel).
+            raise ValueError(f"{name}: template arguments are not emulated")
         call = KernelCall.made(
             name, input_names, output_names, source, header, shared_memory, inputs, output_dtypes
         )
