@@ -18,17 +18,23 @@ from kvspec.conformance.backend import Backend
 from kvspec.conformance.compare import assert_same_bits
 
 
-@pytest.fixture
-def emulated(backend: Backend) -> Iterator[Backend]:
-    """The MLX backend with its CUDA kernels emulated, as a GPU session sees it."""
+def _skip_unless_emulating(backend: Backend) -> None:
+    """Skip but for the MLX backend where its kernels do not already run."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's kernels")
     from kvspec.accelerated.device import fused_kernels_enabled
-    from kvspec.conformance.backend import accelerated_backend
-    from kvspec.conformance.emulated_cuda import emulated_cuda_path
 
     if fused_kernels_enabled():
         pytest.skip("the kernels run in this session: the GPU half's tests reach them")
+
+
+@pytest.fixture
+def emulated(backend: Backend) -> Iterator[Backend]:
+    """The MLX backend with its CUDA kernels emulated, as a GPU session sees it."""
+    _skip_unless_emulating(backend)
+    from kvspec.conformance.backend import accelerated_backend
+    from kvspec.conformance.emulated_cuda import emulated_cuda_path
+
     with emulated_cuda_path():
         yield accelerated_backend()
 
@@ -44,13 +50,9 @@ def test_steps_do_not_race(backend: Backend, kind: str) -> None:
     """A window and three decode steps, each block's threads run in increasing order between
     barriers and then in decreasing order: the kernels' outputs and the stored state are the
     same bits (a race the barriers do not order would make them differ)."""
-    if backend.package != "kvspec.accelerated":
-        pytest.skip("the MLX backend's kernels")
-    from kvspec.accelerated.device import fused_kernels_enabled
+    _skip_unless_emulating(backend)
     from kvspec.conformance.emulated_cuda import emulated_cuda_path
 
-    if fused_kernels_enabled():
-        pytest.skip("the kernels run in this session: the GPU half's tests reach them")
     runs = []
     for reversed_order in (False, True):
         with emulated_cuda_path(reversed_order):
