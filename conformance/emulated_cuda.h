@@ -52,29 +52,16 @@ inline uint3 threadIdx, blockIdx, blockDim, gridDim;
 struct alignas(8) float2 {
     float x, y;
 };
-struct alignas(16) float4 {
-    float x, y, z, w;
-};
 struct alignas(8) uint2 {
     unsigned int x, y;
 };
 struct alignas(16) uint4 {
     unsigned int x, y, z, w;
 };
-struct alignas(8) int2 {
-    int x, y;
-};
-struct alignas(16) int4 {
-    int x, y, z, w;
-};
 inline float2 make_float2(float x, float y) { return {x, y}; }
-inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-inline uint2 make_uint2(unsigned int x, unsigned int y) { return {x, y}; }
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
     return {x, y, z, w};
 }
-inline int2 make_int2(int x, int y) { return {x, y}; }
-inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 
 // ---- bit casts and IEEE single precision, correctly rounded ----
 
@@ -88,19 +75,12 @@ inline To emulated_bit_cast(From from) {
 inline float __uint_as_float(unsigned int x) { return emulated_bit_cast<float>(x); }
 inline float __int_as_float(int x) { return emulated_bit_cast<float>(x); }
 inline unsigned int __float_as_uint(float x) { return emulated_bit_cast<unsigned int>(x); }
-inline int __float_as_int(float x) { return emulated_bit_cast<int>(x); }
 
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-inline float __frcp_rn(float a) { return 1.0f / a; }
-inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
-inline float __saturatef(float a) { return a != a ? 0.0f : std::min(std::max(a, 0.0f), 1.0f); }
-inline float __expf(float a) { return std::exp(a); }
-inline float __logf(float a) { return std::log(a); }
-inline float rsqrtf(float a) { return 1.0f / std::sqrt(a); }
 using std::isfinite;
 using std::isinf;
 using std::isnan;
@@ -121,8 +101,6 @@ inline float min(float a, float b) { return std::fmin(a, b); }
 inline float max(float a, float b) { return std::fmax(a, b); }
 
 inline int __ffs(int x) { return __builtin_ffs(x); }
-inline int __popc(unsigned int x) { return __builtin_popcount(x); }
-inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned int>(x)); }
 inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
     // Byte n of the result is byte (s >> 4 n) & 7 of the 8 bytes y:x.
     const unsigned long long bytes = (static_cast<unsigned long long>(y) << 32) | x;
@@ -175,7 +153,6 @@ inline __half emulated_half_of(double d) {
     return h;
 }
 inline __half __float2half_rn(float f) { return emulated_half_of(static_cast<double>(f)); }
-inline __half __float2half(float f) { return __float2half_rn(f); }
 inline __half::__half(float f) : x(__float2half_rn(f).x) {}
 inline __half::operator float() const { return __half2float(*this); }
 
@@ -190,7 +167,6 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     }
     return h;
 }
-inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
 inline __nv_bfloat16::__nv_bfloat16(float f) : x(__float2bfloat16_rn(f).x) {}
 inline __nv_bfloat16::operator float() const { return __bfloat162float(*this); }
 
@@ -199,13 +175,6 @@ inline __half __ushort_as_half(unsigned short x) {
     h.x = x;
     return h;
 }
-inline unsigned short __half_as_ushort(__half h) { return h.x; }
-inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short x) {
-    __nv_bfloat16 h;
-    h.x = x;
-    return h;
-}
-inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }
 inline __half __low2half(__half2 pair) { return pair.x; }
 inline __half __high2half(__half2 pair) { return pair.y; }
 inline float2 __half22float2(__half2 pair) {
@@ -213,10 +182,6 @@ inline float2 __half22float2(__half2 pair) {
 }
 inline __half2 __floats2half2_rn(float a, float b) {
     return {__float2half_rn(a), __float2half_rn(b)};
-}
-inline __half2 __float22half2_rn(float2 f) { return __floats2half2_rn(f.x, f.y); }
-inline float2 __bfloat1622float2(__nv_bfloat162 pair) {
-    return {__bfloat162float(pair.x), __bfloat162float(pair.y)};
 }
 
 // bfloat16 from double precision: rounded to odd in float32 first (its last bit set where
@@ -256,10 +221,6 @@ inline EmulatedPair<P> __hsub2(P a, P b) {
 template <typename P>
 inline EmulatedPair<P> __hmul2_rn(P a, P b) {
     return emulated_pairwise(a, b, a, [](double x, double y, double) { return x * y; });
-}
-template <typename P>
-inline EmulatedPair<P> __hmul2(P a, P b) {
-    return __hmul2_rn(a, b);
 }
 template <typename P>
 inline EmulatedPair<P> __hfma2(P a, P b, P c) {
