@@ -12,7 +12,10 @@ departs from the reference, within READ-1's bound; TurboQuant's 8-bit keys on te
 cores enter as their codes, and each group's zero and scale complete its partial score;
 so do affine values there, their scales in the weights and their biases summed apart.
 
-Pass 1 (split-K, as FlashDecoding): the positions are cut into splits; a block of
+Pass 1 (split-K, as FlashDecoding): the live positions are cut into splits, as many as
+the live count alone asks for (`_splits`: never the buffer's capacity nor the batch), so
+that equal rows read alike whatever buffer holds them; a launch has room for the splits of
+its buffer's whole length, and a block past the live count's splits reads nothing. A block of
 WARPS warps takes one split of one KV head and serves every query head that reads that
 head (GQA), so each stored byte is read once. The warps of a block merge in shared memory
 and write one partial (max, sum, weighted values) per split. Pass 1 has two bodies:
@@ -131,7 +134,7 @@ def _merge_call(rotated: bool) -> str:
 # The template constants of pass 1 (_plan) in the order partial_pass takes them.
 _PARTIAL_CONSTANTS = (
     "QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS, KGROUP, VFMT, VBITS, VGROUP, "
-    "TABLE, SCALE_BITS, SCALED"
+    "TABLE, SCALE_BITS, SCALED, MIN_SPLIT, MOST_SPLITS"
 )
 
 
@@ -405,10 +408,17 @@ def scaled_weights(values: SideFormat | StoredSide, group: int) -> bool:
     return share * values.bits % 32 == 0 and group * values.dim <= 8 * values.group_size
 
 
-def _splits(T: int, blocks_per_split: int) -> int:
-    # About one resident wave of blocks (TARGET_BLOCKS); no split shorter than MIN_SPLIT.
-    wanted = max(1, math.ceil(TARGET_BLOCKS / blocks_per_split))
-    return max(1, min(MAX_SPLITS, wanted, math.ceil(T / MIN_SPLIT)))
+def _most_splits(kv_heads: int) -> int:
+    # About one resident wave of blocks (TARGET_BLOCKS) for one row of the batch: a row's
+    # splits do not follow the batch, so that it reads as it would alone.
+    return max(1, min(MAX_SPLITS, math.ceil(TARGET_BLOCKS / kv_heads)))
+
+
+def _splits(T: int, kv_heads: int) -> int:
+    """READ-7's split count of T live rows: no split shorter than MIN_SPLIT, at most
+    `_most_splits`. Pass 1 cuts the live count this way on the device; a launch over a
+    buffer of T rows has room for this many."""
+    return max(1, min(_most_splits(kv_heads), math.ceil(T / MIN_SPLIT)))
 
 
 def _merge_parts(DV: int) -> int:
@@ -441,6 +451,7 @@ def _plan(
     query_dtype: mx.Dtype,
     keys: SideFormat,
     values: SideFormat,
+    kv_heads: int,
     group: int,
     scale_bits: int,
     table_size: int,
@@ -469,6 +480,8 @@ def _plan(
         ("TABLE", table_size),
         ("SCALE_BITS", scale_bits),
         ("SCALED", scaled_weights(SideFormat(*values), group)),
+        ("MIN_SPLIT", MIN_SPLIT),
+        ("MOST_SPLITS", _most_splits(kv_heads)),
     ]
     merge = [
         ("DV", DV),
@@ -641,7 +654,7 @@ def _read_launch(
     _, Hq, N, _ = query_shape
     B, Hk, T, keys, values, offsets = formats
     table_size = 1 << values.bits if values.fmt == TURBO_VALUE else 0
-    plan = _plan(query_dtype, keys, values, Hq // Hk, _float_bits(scale), table_size, out_dtype)
+    plan = _plan(query_dtype, keys, values, Hk, Hq // Hk, _float_bits(scale), table_size, out_dtype)
     if tensor_cores is None:
         tensor_cores = tensor_core_fit(keys, values)
     if tensor_cores:
@@ -653,7 +666,7 @@ def _read_launch(
             f"the {body} body does not take this read: head dims "
             f"{keys.dim}, {values.dim}, groups {keys.group_size}, {values.group_size}"
         )
-    splits = _splits(T, B * Hk)
+    splits = _splits(T, Hk)
     threads = WARPS * 32
     DV = values.dim
     return ReadLaunch(

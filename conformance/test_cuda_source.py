@@ -111,11 +111,11 @@ def test_each_kernel_hands_mlx_a_short_call_of_its_function(backend: Backend) ->
     # A record variant reads every field of the record at its offset: TurboQuant values have
     # no biases (-1). Its only stored inputs are the record and the slot's record row.
     record = calls["attention pass 1 turboquant mma=True counted=True slot=True record"][0]
-    assert "SCALE_BITS, SCALED, 16, 32, 48, 64, 80, -1>(" in record
+    assert "SCALED, MIN_SPLIT, MOST_SPLITS, 16, 32, 48, 64, 80, -1>(" in record
     assert "new_record, new_record_strides" in record and "k_codes" not in record
     plain = calls["attention pass 1 plain mma=False counted=False slot=False record"][0]
     assert (
-        "SCALE_BITS, SCALED, 16, -1, -1, 32, -1, -1>(" in plain
+        "SCALED, MIN_SPLIT, MOST_SPLITS, 16, -1, -1, 32, -1, -1>(" in plain
         and "nullptr, record_strides" in plain
     )
 
@@ -193,7 +193,7 @@ def test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on(
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
     side = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, head_dim)
-    plan = kernels._plan(mx.bfloat16, side, side, group, 16, 0, mx.bfloat16)
+    plan = kernels._plan(mx.bfloat16, side, side, 8, group, 16, 0, mx.bfloat16)
     kernels._partial_kernel.cache_clear()
     try:
         for slot in (False, True):

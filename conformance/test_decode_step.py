@@ -336,6 +336,61 @@ def test_decode_read_of_stored_fields_is_within_bound(
     _assert_reads_within_bound(backend, READ_KINDS[kind], head_dim, dtype, groups, lengths, body)
 
 
+#: Kinds whose equal rows are read from buffers of other capacities (trimmed: the growable
+#: kinds) and in batches.
+SAME_ROWS_KINDS = ("kv", "affine-4-64", "affine-8-32", "turbo-k8v4-dense", "bf16-first-turbo")
+
+
+def _rows(rng: np.random.Generator, backend: Backend, batch: int, heads: int, length: int):
+    values = rng.standard_normal((batch, heads, length, 128)).astype(FLOAT_DTYPES["bfloat16"])
+    return backend.from_numpy(values)
+
+
+@pytest.mark.parametrize("kind", SAME_ROWS_KINDS)
+def test_equal_rows_read_alike_whatever_buffer_holds_them(backend: Backend, kind: str) -> None:
+    """READ-7: a read's splits follow its live rows alone. The same 51 rows read bit for bit
+    alike from a cache that appended them, one that held 300 and was trimmed to 50 before
+    the decode (a buffer twice as long), and one restored from the first's state (CACHE-8:
+    a buffer sized to its rows, as a loaded file gives)."""
+    rng = np.random.default_rng(51)
+    caches = backend.module("caches")
+    window_k, window_v = _rows(rng, backend, 1, 2, 300), _rows(rng, backend, 1, 2, 300)
+    appended, trimmed, restored = (READ_KINDS[kind](caches) for _ in range(3))
+    appended.append_window(window_k[:, :, :50], window_v[:, :, :50])
+    trimmed.append_window(window_k, window_v)
+    assert trimmed.trim(250) == 250
+    restored.restore_state(appended.state())
+    new_k, new_v = _rows(rng, backend, 1, 2, 1), _rows(rng, backend, 1, 2, 1)
+    queries = _rows(rng, backend, 1, 8, 1)
+    outputs = [
+        backend.to_numpy(cache.append_decode(new_k, new_v).attend(queries, 128**-0.5))
+        for cache in (appended, trimmed, restored)
+    ]
+    assert_same_bits(outputs[1], outputs[0], "trimmed from 300 rows")
+    assert_same_bits(outputs[2], outputs[0], "restored from the state")
+
+
+@pytest.mark.parametrize("kind", SAME_ROWS_KINDS)
+def test_rows_of_a_batch_read_as_each_alone(backend: Backend, kind: str) -> None:
+    """READ-7: a read's splits do not follow the batch. Two rows of 2200 positions over
+    8 KV heads (on CUDA: more splits than two rows' one wave of blocks would give) read bit
+    for bit as each row's own cache reads it."""
+    rng = np.random.default_rng(2200)
+    caches = backend.module("caches")
+    k, v = _rows(rng, backend, 2, 8, 2200), _rows(rng, backend, 2, 8, 2200)
+    new_k, new_v = _rows(rng, backend, 2, 8, 1), _rows(rng, backend, 2, 8, 1)
+    queries = _rows(rng, backend, 2, 32, 1)
+    batch = READ_KINDS[kind](caches)
+    batch.append_window(k, v)
+    together = backend.to_numpy(batch.append_decode(new_k, new_v).attend(queries, 128**-0.5))
+    for row in range(2):
+        alone = READ_KINDS[kind](caches)
+        alone.append_window(k[row : row + 1], v[row : row + 1])
+        read = alone.append_decode(new_k[row : row + 1], new_v[row : row + 1])
+        output = backend.to_numpy(read.attend(queries[row : row + 1], 128**-0.5))
+        assert_same_bits(together[row : row + 1], output, f"row {row}")
+
+
 #: Every head dim the decode-attention kernels take (on CUDA: their HEAD_DIMS), each a
 #: template instance of its own: a lane's share of a row runs from one element (32, on CUDA
 #: cores) to sixteen (512).
@@ -432,9 +487,8 @@ def test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound(
 ) -> None:
     """READ-7's split softmax rescales what a warp has summed each time a maximum rises (the
     values' sums, and with scaled weights their biases' too): scores rising by 8 over 250
-    positions. On CUDA a read of fewer rows than its buffer holds is cut into splits by the
-    buffer's length (COMPILE-4), four here, of 63 positions: two chunks of 8 or more a warp,
-    where a window of 40 gives each warp one chunk and never rescales within a warp."""
+    positions. On CUDA the live rows are cut into splits of at least 64 positions (READ-7),
+    four here, of 63 positions: two chunks of 8 or more a warp."""
     _assert_reads_within_bound(
         backend,
         READ_KINDS[kind],
@@ -452,9 +506,10 @@ def test_the_rising_read_gives_every_warp_two_chunks_or_more(backend: Backend, k
     """What the rising-maxima read above can catch rests on how the CUDA kernels cut it
     (docs/mutants.md: a fault of the rescale within a warp shows only where a warp takes
     two chunks of 8 positions or more). On the CUDA path with the kernels stood in (any
-    device), its last read's pass 1 launches `splits` blocks a KV head of `warps` warps;
-    split s takes positions [s p, (s + 1) p) of its 250, p = ceil(250 / splits), and warp w
-    its chunks w, w + warps, ...: every warp of every split must take two or more."""
+    device), its last read's pass 1 launches `warps` warps a block, room for at least
+    READ-7's `splits` of its 250 rows (ceil(250 / 64) = 4); split s takes positions
+    [s p, (s + 1) p), p = ceil(250 / splits), and warp w its chunks w, w + warps, ...:
+    every warp of every split must take two or more."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the launches of the MLX backend's decode-attention kernels")
     import mlx.core as mx
@@ -485,7 +540,9 @@ def test_the_rising_read_gives_every_warp_two_chunks_or_more(backend: Backend, k
                 read = cache.append_decode(k, v)
         launched.clear()
         read.attend(mx.ones((1, 8, 1, 128), mx.bfloat16), 128**-0.5)
-    warps, splits = launched[0]
+    warps, launched_splits = launched[0]
+    splits = -(-rows // 64)
+    assert launched_splits >= splits
     per_split = -(-rows // splits)
     for split in range(splits):
         positions = min(rows, (split + 1) * per_split) - split * per_split

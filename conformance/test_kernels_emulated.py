@@ -79,6 +79,16 @@ def _steps(backend: Backend, kind: str) -> list[np.ndarray]:
     return [*outputs, *(backend.to_numpy(array) for array in cache.state().arrays)]
 
 
+@pytest.mark.parametrize("kind", ["affine-4-64", "turbo-k8v4-dense"])
+def test_equal_rows_read_alike_from_other_buffers(emulated: Backend, kind: str) -> None:
+    decode_step.test_equal_rows_read_alike_whatever_buffer_holds_them(emulated, kind)
+
+
+@pytest.mark.parametrize("kind", ["affine-4-64", "turbo-k8v4-dense"])
+def test_rows_of_a_batch_read_as_alone(emulated: Backend, kind: str) -> None:
+    decode_step.test_rows_of_a_batch_read_as_each_alone(emulated, kind)
+
+
 @pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
 def test_one_row_reads_return_its_values(emulated: Backend, kind: str) -> None:
     decode_step.test_a_decode_read_of_one_row_returns_its_values_as_decoded(

@@ -246,7 +246,6 @@ def test_prompt_reuse_equals_mlx_lm(llama) -> None:
     assert results[0] == results[1]
 
 
-@pytest.mark.mlx_ops_reads
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_saved_cache_continues_identically(model, scheme, tmp_path) -> None:
     """save_prompt_cache, load_prompt_cache: the loaded cache generates what the saved one

@@ -890,6 +890,19 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "cuda-splits-follow-the-buffer",
+        "accelerated/cuda/decode_attention.cuh",
+        "    const int live_splits = min(splits, min(MOST_SPLITS, max(1, (T + MIN_SPLIT - 1) / "
+        "MIN_SPLIT)));\n",
+        "    const int live_splits = splits;\n",
+        "pass 1 cuts the live rows into as many splits as its launch has room for, which follow "
+        "the buffer's capacity and the batch: equal rows read apart (READ-7)",
+        (
+            f"{EMULATED}::test_equal_rows_read_alike_from_other_buffers[affine-4-64]",
+            f"{EMULATED}::test_rows_of_a_batch_read_as_alone[turbo-k8v4-dense]",
+        ),
+    ),
+    Mutant(
         "cuda-rotated-merge-barrier-missing",
         "accelerated/cuda/decode_attention.cuh",
         "            if (part == 0) lane[turn][d] = value;\n            __syncthreads();\n",

@@ -605,7 +605,7 @@ constexpr bool SAME_TYPE<A, A> = true;
 template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
           typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
           int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
-          bool SCALED, typename Shape, typename Strides>
+          bool SCALED, int MIN_SPLIT, int MOST_SPLITS, typename Shape, typename Strides>
 __device__ __forceinline__ void partial_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const KC* k_codes, const Shape& k_codes_shape, const Strides& k_codes_strides,
@@ -647,7 +647,11 @@ __device__ __forceinline__ void partial_pass(
     __syncthreads();
 
     const float factor = __int_as_float(SCALE_BITS) * LOG2E;
-    const int per_split = (T + splits - 1) / splits;
+    // The live rows' splits (READ-7): as many as T alone asks for, so that the read does not
+    // follow the buffer's capacity (the launch has room for its whole length's splits,
+    // never fewer than T's) nor the batch; the blocks past them read nothing.
+    const int live_splits = min(splits, min(MOST_SPLITS, max(1, (T + MIN_SPLIT - 1) / MIN_SPLIT)));
+    const int per_split = (T + live_splits - 1) / live_splits;
     const int start = split * per_split;
     const int end = min(T, start + per_split);
 
@@ -1283,7 +1287,8 @@ __device__ __forceinline__ AxisStrides element_strides(const S& bytes) {
 template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
           typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
           int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
-          bool SCALED, int OFF_KC, int OFF_KS, int OFF_KB, int OFF_VC, int OFF_VS, int OFF_VB,
+          bool SCALED, int MIN_SPLIT, int MOST_SPLITS, int OFF_KC, int OFF_KS, int OFF_KB,
+          int OFF_VC, int OFF_VS, int OFF_VB,
           typename Shape, typename Strides>
 __device__ __forceinline__ void record_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
@@ -1301,7 +1306,8 @@ __device__ __forceinline__ void record_pass(
     const AxisStrides new_vc = element_strides<sizeof(VC)>(new_record_strides);
     const AxisStrides new_vs = element_strides<sizeof(VS)>(new_record_strides);
     partial_pass<MMA, COUNTED, SLOT, QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS,
-                 KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS, SCALED>(
+                 KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS, SCALED, MIN_SPLIT,
+                 MOST_SPLITS>(
         queries, queries_shape, q,
         record_field<KC>(record, OFF_KC), record_shape, kc,
         record_field<KS>(record, OFF_KS), ks, record_field<KS>(record, OFF_KB),
