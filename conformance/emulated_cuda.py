@@ -26,7 +26,9 @@ What it holds and what it cannot:
 - an evaluation inside `mx.compile` cannot run one: the launch needs its inputs' values.
 
 Each kernel is built once per source (cached in KVSPEC_EMULATED_CUDA_CACHE, by default
-~/.cache/kvspec/emulated-cuda) with g++ (or $CXX), about half a second each.
+~/.cache/kvspec/emulated-cuda) with g++ (or $CXX), about half a second each. The cache
+keeps at most KVSPEC_EMULATED_CUDA_CACHE_MIB MiB (1024 by default; a whole emulated
+session of the suite builds a few hundred): past it, the builds least recently used go.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ from kvspec.conformance.stand_ins import KernelCall, cuda_patches
 HEADER = Path(__file__).resolve().with_name("emulated_cuda.h")
 #: The variable naming the folder of built kernels.
 CACHE_ENV = "KVSPEC_EMULATED_CUDA_CACHE"
+#: The variable naming the most MiB the folder keeps, and its default.
+CACHE_LIMIT_ENV = "KVSPEC_EMULATED_CUDA_CACHE_MIB"
+DEFAULT_CACHE_MIB = 1024
 #: Flags of the build: IEEE arithmetic as written (no contraction, no fast math), and
 #: checks of what a GPU faults on or leaves undefined where a CPU would not (UBSan): a
 #: load at an address its type's alignment does not divide (a GPU's "misaligned
@@ -237,6 +242,38 @@ def cache_dir() -> Path:
     return Path(found) if found else Path.home() / ".cache" / "kvspec" / "emulated-cuda"
 
 
+def cache_limit() -> int:
+    """The most bytes the cache keeps (CACHE_LIMIT_ENV, in MiB)."""
+    found = os.environ.get(CACHE_LIMIT_ENV, str(DEFAULT_CACHE_MIB))
+    try:
+        mib = int(found)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"{CACHE_LIMIT_ENV} must be a whole number of MiB, got {found!r}")
+    return mib << 20
+
+
+def prune(folder: Path, limit: int, keep: Path) -> None:
+    """Delete the builds of `folder` least recently used (oldest modified: a build is
+    touched when loaded), never `keep`, until the rest take at most `limit` bytes."""
+    builds = []
+    for library in folder.glob("*.so"):
+        try:
+            found = library.stat()
+        except FileNotFoundError:  # pruned by another process meanwhile
+            continue
+        builds.append((found.st_mtime_ns, found.st_size, library))
+    total = sum(size for _, size, _ in builds)
+    for _, size, library in sorted(builds, key=lambda build: build[0]):
+        if total <= limit:
+            break
+        if library == keep:
+            continue
+        library.unlink(missing_ok=True)
+        total -= size
+
+
 @cache
 def built(source: str) -> ctypes.CDLL:
     """The shared library of a host source, built once (kept in `cache_dir()` by the hash
@@ -247,7 +284,10 @@ def built(source: str) -> ctypes.CDLL:
     ).hexdigest()[:32]
     folder = cache_dir()
     library = folder / f"{digest}.so"
-    if not library.exists():
+    limit = cache_limit()
+    if library.exists():
+        os.utime(library)  # its last use, which pruning goes by
+    else:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as work:
             source_path = Path(work) / "kernel.cpp"
@@ -261,6 +301,7 @@ def built(source: str) -> ctypes.CDLL:
             if done.returncode != 0:
                 raise RuntimeError(f"the kernel's host build failed:\n{done.stderr[-4000:]}")
             os.replace(Path(work) / "kernel.so", library)
+        prune(folder, limit, library)
     loaded = ctypes.CDLL(str(library))
     loaded.emulated_run.restype = ctypes.c_char_p
     loaded.emulated_run.argtypes = [

@@ -5,6 +5,8 @@ Without these, a kernel's pass under emulation would say nothing of its pass on 
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -337,3 +339,43 @@ def test_a_misaligned_vector_load_fails_the_launch() -> None:
     np.testing.assert_array_equal(aligned, 0)
     with pytest.raises(RuntimeError, match="misaligned address"):
         launch(source.replace("OFFSET", "4"), inputs, outputs, 4)
+
+
+def test_the_build_cache_keeps_its_limit_dropping_the_least_recently_used(tmp_path) -> None:
+    from kvspec.conformance.emulated_cuda import prune
+
+    sizes = {"a": 300, "b": 200, "c": 400, "d": 100}
+    for age, (name, size) in enumerate(sizes.items()):
+        library = tmp_path / f"{name}.so"
+        library.write_bytes(b"\0" * size)
+        os.utime(library, ns=(age * 10**9, age * 10**9))  # a oldest, d newest
+    (tmp_path / "notes.txt").write_text("not a build")
+    prune(tmp_path, 500, keep=tmp_path / "a.so")
+    # b (200) and c (400) go, oldest first past the kept one: a and d (400) are left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.so", "d.so", "notes.txt"]
+    prune(tmp_path, 0, keep=tmp_path / "d.so")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.so", "notes.txt"]
+
+
+def test_a_build_is_touched_when_used_and_the_cache_pruned_when_it_grows(
+    tmp_path, monkeypatch
+) -> None:
+    from kvspec.conformance import emulated_cuda
+
+    monkeypatch.setenv(emulated_cuda.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(emulated_cuda.CACHE_LIMIT_ENV, "0")
+    stale = tmp_path / "stale.so"
+    stale.write_bytes(b"\0" * 64)
+    os.utime(stale, ns=(0, 0))
+    emulated_cuda.built.cache_clear()  # each build is loaded once a process
+    source = "out[threadIdx.x] = 2.0f;"
+    (out,) = launch(source, {"unused": mx.zeros((1,))}, {"out": ((4,), mx.float32)}, 4)
+    np.testing.assert_array_equal(out, 2.0)
+    (kept,) = tmp_path.glob("*.so")  # the stale build went; the new one stays
+    os.utime(kept, ns=(0, 0))
+    emulated_cuda.built.cache_clear()
+    launch(source, {"unused": mx.zeros((1,))}, {"out": ((4,), mx.float32)}, 4)
+    assert kept.stat().st_mtime_ns > 0  # used again: touched, not rebuilt
+    monkeypatch.setenv(emulated_cuda.CACHE_LIMIT_ENV, "lots")
+    with pytest.raises(ValueError, match="whole number of MiB"):
+        emulated_cuda.cache_limit()
