@@ -139,18 +139,19 @@ _PARTIAL_CONSTANTS = (
 
 
 def _pass_inputs(
-    key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool
+    key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool, padded: bool = False
 ) -> list[str]:
     """The inputs of a pass-1 kernel: the fields the two formats store (none stands in for
     a field a format does not have) or the record that holds them all, the compiled step's
-    row count and write slot where the variant takes them. (TurboQuant's codebook is in
-    the kernel's header.)"""
+    row count and write slot, and a padded batch's first rows, where the variant takes
+    them. (TurboQuant's codebook is in the kernel's header.)"""
     if record:
         return [
             "queries",
             "record",
             *(["rows"] if counted else []),
             *(["slot_row", "new_record"] if slot else []),
+            *(["starts"] if padded else []),
         ]
     key_scales, key_biases = _GROUP_FIELDS[key_fmt]
     value_scales, value_biases = _GROUP_FIELDS[value_fmt]
@@ -169,6 +170,7 @@ def _pass_inputs(
         *side("", "v"),
         *(["rows"] if counted else []),
         *(["slot_row", *side("new_", "k"), *side("new_", "v")] if slot else []),
+        *(["starts"] if padded else []),
     ]
 
 
@@ -194,6 +196,7 @@ def _partial_call(
     mma: bool,
     counted: bool,
     slot: bool,
+    padded: bool,
     inputs: list[str],
     offsets: tuple[int, ...] | None,
     codebook: bool,
@@ -204,7 +207,7 @@ def _partial_call(
     its strides (never read: the format has no such field, or COUNTED and SLOT are false).
     With `offsets` (_record_offsets) a call of record_pass, which reads the fields of
     `record` at those byte offsets."""
-    flags = ", ".join("true" if on else "false" for on in (mma, counted, slot))
+    flags = ", ".join("true" if on else "false" for on in (mma, counted, slot, padded))
     table = CODEBOOK if codebook else "nullptr"
 
     def pointer(name: str) -> str:
@@ -215,7 +218,7 @@ def _partial_call(
             f"kvspec_attn::record_pass<{flags}, {_PARTIAL_CONSTANTS}, "
             f"{', '.join(str(offset) for offset in offsets)}>("
             "queries, queries_shape, queries_strides, record, record_shape, record_strides, "
-            f"{table}, {pointer('rows')}, {pointer('slot_row')}, "
+            f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('starts')}, "
             f"{pointer('new_record')}, "
             f"{'new_record_strides' if 'new_record' in inputs else 'record_strides'}, "
             "partial);"
@@ -242,7 +245,8 @@ def _partial_call(
     return (
         f"kvspec_attn::partial_pass<{flags}, {_PARTIAL_CONSTANTS}>("
         f"queries, queries_shape, queries_strides, {side('k', shape=True)}, {side('v')}, "
-        f"{table}, {pointer('rows')}, {pointer('slot_row')}, {side('new_k')}, "
+        f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('starts')}, "
+        f"{side('new_k')}, "
         f"{side('new_v')}, partial);"
     )
 
@@ -253,6 +257,7 @@ def _partial_kernel(
     counted: bool,
     mma: bool,
     slot: bool,
+    padded: bool,
     key_fmt: int,
     value_fmt: int,
     offsets: tuple[int, ...] | None,
@@ -260,15 +265,23 @@ def _partial_kernel(
     # One kernel object per plan (its constants and the dynamic shared memory of each
     # body) and variant. The counted variant takes one more input, `rows` (int32 [1]): the
     # live row count of an eager read or of the compiled step (COMPILE-4); the slot variant
-    # the write slot's row (int32 [1]) and the new position's fields; the plain one
-    # neither. Each takes only the fields its formats store, or with `offsets`
+    # the write slot's row (int32 [1]) and the new position's fields; the padded one a
+    # padded batch's first buffer row of each batch row, `starts` (int32 [B], ROWS-6); the
+    # plain one none. Each takes only the fields its formats store, or with `offsets`
     # (RecordFormat) the record that holds them, whose offsets are in the source and so in
     # the kernel's name (MLX keeps one build per name).
     name = "kvspec_decode_attention" + "".join(
-        suffix for suffix, on in (("_mma", mma), ("_counted", counted), ("_slot", slot)) if on
+        suffix
+        for suffix, on in (
+            ("_mma", mma),
+            ("_counted", counted),
+            ("_slot", slot),
+            ("_padded", padded),
+        )
+        if on
     )
     name = f"{name}_{key_fmt}{value_fmt}"
-    inputs = _pass_inputs(key_fmt, value_fmt, counted, slot, offsets is not None)
+    inputs = _pass_inputs(key_fmt, value_fmt, counted, slot, offsets is not None, padded)
     if offsets is not None:
         name += "_record_" + "_".join(str(offset) for offset in offsets)
     rotated = value_fmt == TURBO_VALUE
@@ -277,7 +290,7 @@ def _partial_kernel(
     call_offsets = _record_offsets(key_fmt, value_fmt, offsets)
     return cuda_kernel(
         name,
-        _partial_call(mma, counted, slot, inputs, call_offsets, rotated),
+        _partial_call(mma, counted, slot, padded, inputs, call_offsets, rotated),
         plan.partial_constants,
         input_names=inputs,
         output_names=["partial"],
@@ -528,6 +541,7 @@ def decode_attention(
     rows: mx.array | None = None,
     tensor_cores: bool | None = None,
     slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None = None,
+    starts: mx.array | None = None,
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row of `stored`
     (the sides, the read covering the first T rows of the key codes; or a record, its T
@@ -538,9 +552,11 @@ def decode_attention(
     nothing. `tensor_cores` picks the pass-1 body (None: tensor cores wherever
     `tensor_core_fit`). `slot` = (row, new), the compiled step's write slot (COMPILE-4):
     buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
-    record row) instead of the buffers. Call only when `supported`."""
+    record row) instead of the buffers. `starts` (int32 [B]), a padded batch's (ROWS-6):
+    batch row b is read from buffer row starts[b] on, as if its rows began there. Call only
+    when `supported`."""
     formats = stored_formats(stored)
-    counted, slotted = rows is not None, slot is not None
+    counted, slotted, padded = rows is not None, slot is not None, starts is not None
     launch = _read_launch(
         tuple(queries.shape),
         queries.dtype,
@@ -550,8 +566,9 @@ def decode_attention(
         counted,
         tensor_cores,
         slotted,
+        padded,
     )
-    return launch(queries, stored, rows, slot)
+    return launch(queries, stored, rows, slot, starts)
 
 
 #: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
@@ -566,12 +583,14 @@ def read_launch(
     counted: bool,
     tensor_cores: bool | None,
     slotted: bool,
+    padded: bool = False,
 ) -> ReadLaunch | None:
     """The launches of `decode_attention(queries, stored, scale, out_dtype, rows,
-    tensor_cores, slot)` for stored rows of `formats` (`stored_formats`), `counted` whether
-    it has rows and `slotted` a slot, planned once per configuration; None where the kernels
-    do not take the read (`supported`, one query position). It does not check the queries
-    against the stored keys (`ReadLaunch.keys_shape`)."""
+    tensor_cores, slot, starts)` for stored rows of `formats` (`stored_formats`), `counted`
+    whether it has rows, `slotted` a slot and `padded` starts, planned once per
+    configuration; None where the kernels do not take the read (`supported`, one query
+    position). It does not check the queries against the stored keys
+    (`ReadLaunch.keys_shape`)."""
     _, Hq, N, _ = queries.shape
     if N != 1:
         return None
@@ -587,6 +606,7 @@ def read_launch(
         counted,
         tensor_cores,
         slotted,
+        padded,
     )
 
 
@@ -618,6 +638,7 @@ class ReadLaunch(NamedTuple):
         stored: Stored,
         rows: mx.array | None,
         slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None,
+        starts: mx.array | None = None,
     ) -> mx.array:
         """The read's output [B, Hq, 1, Dv] (`decode_attention`'s arguments)."""
         if isinstance(stored, StoredRecord):
@@ -631,6 +652,8 @@ class ReadLaunch(NamedTuple):
         if rows is not None:
             inputs.append(rows)
         inputs += slot_inputs
+        if starts is not None:
+            inputs.append(starts)
         (partial,) = self.partial(inputs=inputs, **self.partial_options)
         (out,) = self.merge(inputs=[partial], **self.merge_options)
         return out
@@ -646,6 +669,7 @@ def _read_launch(
     counted: bool,
     tensor_cores: bool | None,
     slotted: bool,
+    padded: bool = False,
 ) -> ReadLaunch:
     """The kernels and launch options of a read configuration, made once: a decode step
     reads with the same configuration at every layer, and (whole buffers with a live count)
@@ -670,7 +694,9 @@ def _read_launch(
     threads = WARPS * 32
     DV = values.dim
     return ReadLaunch(
-        _partial_kernel(plan, counted, tensor_cores, slotted, keys.fmt, values.fmt, offsets),
+        _partial_kernel(
+            plan, counted, tensor_cores, slotted, padded, keys.fmt, values.fmt, offsets
+        ),
         {
             "grid": (splits * threads, B * Hk, 1),
             "threadgroup": (threads, 1, 1),

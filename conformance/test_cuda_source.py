@@ -27,17 +27,25 @@ def _calls() -> dict[str, tuple[str, str]]:
         "affine encode, keys and values, record": (affine_kernels._RECORD_CALL, "affine.cuh"),
     }
     for mma in (False, True):
-        for counted, slot in ((False, False), (True, False), (True, True)):
+        variants = ((False, False, False), (True, False, False), (True, True, False))
+        for counted, slot, padded in (*variants, (True, False, True)):
             for kind, (key_fmt, value_fmt) in _formats().items():
                 codebook = value_fmt == attention_kernels.TURBO_VALUE
-                inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot, False)
-                call = attention_kernels._partial_call(mma, counted, slot, inputs, None, codebook)
+                inputs = attention_kernels._pass_inputs(
+                    key_fmt, value_fmt, counted, slot, False, padded
+                )
+                call = attention_kernels._partial_call(
+                    mma, counted, slot, padded, inputs, None, codebook
+                )
                 name = f"attention pass 1 {kind} mma={mma} counted={counted} slot={slot}"
+                name += " padded" if padded else ""
                 calls[name] = (call, "decode_attention.cuh")
-                inputs = attention_kernels._pass_inputs(key_fmt, value_fmt, counted, slot, True)
+                inputs = attention_kernels._pass_inputs(
+                    key_fmt, value_fmt, counted, slot, True, padded
+                )
                 offsets = _record_offsets(key_fmt, value_fmt)
                 call = attention_kernels._partial_call(
-                    mma, counted, slot, inputs, offsets, codebook
+                    mma, counted, slot, padded, inputs, offsets, codebook
                 )
                 calls[f"{name} record"] = (call, "decode_attention.cuh")
     return calls
@@ -197,7 +205,9 @@ def test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on(
     kernels._partial_kernel.cache_clear()
     try:
         for slot in (False, True):
-            kernels._partial_kernel(plan, True, True, slot, kernels.AFFINE, kernels.AFFINE, None)
+            kernels._partial_kernel(
+                plan, True, True, slot, False, kernels.AFFINE, kernels.AFFINE, None
+            )
     finally:
         kernels._partial_kernel.cache_clear()
     bounds = f"__launch_bounds__({kernels.WARPS * 32}, {kernels.BLOCKS_PER_SM})"

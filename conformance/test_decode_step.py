@@ -391,6 +391,41 @@ def test_rows_of_a_batch_read_as_each_alone(backend: Backend, kind: str) -> None
         assert_same_bits(together[row : row + 1], output, f"row {row}")
 
 
+#: Growable kinds, whose padded batches READ-7's kernels read row by row (ROWS-6).
+PADDED_ROWS_KINDS = ("kv", "affine-4-64", "turbo-k8v4-dense", "turbo-k4v2-deferred")
+
+
+@pytest.mark.parametrize("kind", PADDED_ROWS_KINDS)
+def test_rows_of_a_padded_batch_read_as_each_alone(backend: Backend, kind: str) -> None:
+    """ROWS-6 on READ-7's kernels: a left-padded batch of three rows (no padding, 5, 37 of
+    60 positions; then two decodes) reads each row bit for bit as that row's own cache,
+    which holds its positions alone, reads them. (Elsewhere a padded read goes through its
+    mask in MLX ops, whose sums need not fall alike over other lengths.)"""
+    if not _kernels_on_cuda(backend):
+        pytest.skip("the decode-attention kernels read padded rows from their start")
+    rng = np.random.default_rng(37)
+    caches = backend.module("caches")
+    padding = [0, 5, 37]
+    k, v = _rows(rng, backend, 3, 2, 60), _rows(rng, backend, 3, 2, 60)
+    batch = READ_KINDS[kind](caches)
+    batch.prepare(left_padding=padding)
+    batch.append_window(k, v)
+    alone = [READ_KINDS[kind](caches) for _ in padding]
+    for row, cache in enumerate(alone):
+        cache.append_window(
+            k[row : row + 1, :, padding[row] :], v[row : row + 1, :, padding[row] :]
+        )
+    for step in range(2):
+        new_k, new_v = _rows(rng, backend, 3, 2, 1), _rows(rng, backend, 3, 2, 1)
+        queries = _rows(rng, backend, 3, 8, 1)
+        read = batch.append_decode(new_k, new_v)
+        together = backend.to_numpy(read.attend(queries, 128**-0.5))
+        for row, cache in enumerate(alone):
+            one = cache.append_decode(new_k[row : row + 1], new_v[row : row + 1])
+            output = backend.to_numpy(one.attend(queries[row : row + 1], 128**-0.5))
+            assert_same_bits(together[row : row + 1], output, f"step {step} row {row}")
+
+
 #: Every head dim the decode-attention kernels take (on CUDA: their HEAD_DIMS), each a
 #: template instance of its own: a lane's share of a row runs from one element (32, on CUDA
 #: cores) to sixteen (512).

@@ -231,6 +231,7 @@ def test_batch_offsets_are_per_row(llama) -> None:
     assert quantized.offset.tolist() == [3, 8] and quantized.cache.left_padding == (5, 0)
 
 
+@pytest.mark.mlx_ops_reads
 def test_batch_left_padding_equals_mlx_lm(llama) -> None:
     """`prepare(left_padding=...)` (ROWS-11) of a fresh batch, then a left-padded prompt:
     every row's logits at its own positions equal mlx-lm's BatchKVCache's bit for bit."""

@@ -903,6 +903,15 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "cuda-padded-rows-from-buffer-row-0",
+        "accelerated/cuda/decode_attention.cuh",
+        "    const int first = PADDED ? starts[b] : 0;\n",
+        "    const int first = 0;\n",
+        "a padded batch's rows are read from buffer row 0, their padding with them (ROWS-6, "
+        "READ-7)",
+        (f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[affine-4-64]",),
+    ),
+    Mutant(
         "cuda-rotated-merge-barrier-missing",
         "accelerated/cuda/decode_attention.cuh",
         "            if (part == 0) lane[turn][d] = value;\n            __syncthreads();\n",

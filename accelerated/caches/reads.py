@@ -10,9 +10,11 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from types import ModuleType
 
 import mlx.core as mx
+import numpy as np
 
 from kvspec.accelerated import attention_kernels, dtypes
 from kvspec.accelerated.attention_kernels import PLAIN, Stored, StoredSide
@@ -109,6 +111,9 @@ class StoredRead:
     rows: mx.array | None = None
     #: The compiled step's new position, held apart from the buffers (COMPILE-4).
     slot: WriteSlot | None = None
+    #: A padded batch's first buffer row of each batch row (int32 [B], ROWS-6): the
+    #: kernels read row b from there on. None: no row is padded.
+    starts: mx.array | None = None
 
     def attend(self, queries: mx.array, scale: float, tensor_cores: bool | None = None) -> mx.array:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows. On the kernels'
@@ -117,13 +122,18 @@ class StoredRead:
         launch = None
         if fused_kernels_enabled():
             launch = self.launches.launch(
-                queries, scale, tensor_cores, self.rows is not None, self.slot is not None
+                queries,
+                scale,
+                tensor_cores,
+                self.rows is not None,
+                self.slot is not None,
+                self.starts is not None,
             )
         if launch is None:
             return self.decoded().attend(queries, scale)
         slot = None if self.slot is None else (self.slot.position, self.slot.new)
         # The kernels widen the queries themselves; the output is in the read's format.
-        return launch(queries, self.stored, self.rows, slot)
+        return launch(queries, self.stored, self.rows, slot, self.starts)
 
 
 class ReadLaunches:
@@ -176,6 +186,7 @@ class ReadLaunches:
         tensor_cores: bool | None,
         counted: bool,
         slotted: bool,
+        padded: bool = False,
     ) -> attention_kernels.ReadLaunch | None:
         """`attention_kernels.read_launch` for these queries, their fit checked (READ-1:
         ValueError, at every call, for queries that do not fit); kept per query shape and
@@ -189,13 +200,13 @@ class ReadLaunches:
             # The kernel objects were dropped (other sources, shapes or stand-ins).
             self._launches.clear()
             self._generation = generation
-        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted)
+        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted, padded)
         try:
             return self._launches[key]
         except KeyError:
             pass
         launch = attention_kernels.read_launch(
-            queries, self._formats, scale, self.read_dtype, counted, tensor_cores, slotted
+            queries, self._formats, scale, self.read_dtype, counted, tensor_cores, slotted, padded
         )
         if launch is not None:
             check_queries(queries, launch.keys_shape, self.read_dtype)
@@ -231,11 +242,19 @@ class ReadMethods(reads.ReadMethods):
         assert self._fields is not None
         self._fields = written_rows(self._fields, start, parts)
 
+    #: ROWS-6 on READ-7's kernels: whether a padded batch's decode reads take each row from
+    #: its first buffer row on, where buffer rows are positions (growable storage); a ring,
+    #: whose rows are in ring order, reads padded rows through their mask.
+    padded_rows_from_their_start: bool = True
+
     def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
         """A read without a mask is a decode read (READ-2): append, then READ-7's read of
-        the stored rows, decoded only if its attention needs them. Rows of their own
-        lengths read through their padding mask (ROWS-6)."""
-        if mask is not None or self._left_padding:
+        the stored rows, decoded only if its attention needs them; a padded batch's rows
+        each from their first position on (ROWS-6), where the storage's buffer rows are
+        its positions. Other reads of rows of their own lengths go through their padding
+        mask."""
+        padding = self._left_padding
+        if mask is not None or (padding and not self.padded_rows_from_their_start):
             return super().append_and_read(k, v, mask)
         self._append(k, v)
         # The buffers as they are now (a later write rebinds the fields, never changes
@@ -245,12 +264,23 @@ class ReadMethods(reads.ReadMethods):
         fields = self._fields
         assert fields is not None
         rows = self._live_rows()
+        offset = self.offset
 
         def decoded() -> Read:
-            return self._read_of(tuple(field[:, :, :rows] for field in fields))
+            live = tuple(field[:, :, :rows] for field in fields)
+            if not padding:
+                return self._read_of(live)
+            # ROWS-6's mask of this decode, as it was at the append.
+            positions = np.arange(rows)
+            query = np.array([offset - 1])
+            return self._read_of(
+                live, self.masks.padded_mask(None, 1, positions, np.array(padding), query)
+            )
 
         stored = self._stored_rows(fields)
-        return StoredRead(stored, self._launches(stored), decoded, COUNTS.single(rows))
+        starts = _padded_starts(padding) if padding else None
+        launches = self._launches(stored)
+        return StoredRead(stored, launches, decoded, COUNTS.single(rows), starts=starts)
 
     #: The launches of this storage's last read configuration (`_launches`).
     _read_launches: ReadLaunches | None = None
@@ -317,9 +347,9 @@ class ReadMethods(reads.ReadMethods):
             for i, field in enumerate(fields)
         )
 
-    def _read_of(self, live: Fields) -> Read:
-        """READ-2's read of live fields, decoded."""
-        return self.dense_read(*self._decode(live), None)
+    def _read_of(self, live: Fields, mask: Mask = None) -> Read:
+        """READ-2's read of live fields, decoded, under `mask` (a padded batch's)."""
+        return self.dense_read(*self._decode(live), mask)
 
     def _stored_sides(self, fields: Fields) -> tuple[StoredSide, StoredSide]:
         """READ-7: keys and values of the stored fields as they lie. Here fields stored as
@@ -379,6 +409,13 @@ class ReadMethods(reads.ReadMethods):
         a decode loop runs, and no step reads it on the host."""
         self._failure = failure
         return fields
+
+
+@lru_cache(maxsize=64)
+def _padded_starts(left_padding: tuple[int, ...]) -> mx.array:
+    """ROWS-6 on READ-7's kernels: each batch row's first buffer row, int32 [B]; one array
+    per padding, shared by every layer and step that reads it (arrays are values)."""
+    return mx.array(left_padding, dtype=mx.int32)
 
 
 def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 class RingStorage(ReadMethods, rotating.RingStorage):
     """RING-1 storage over mx.array."""
 
+    # ROWS-6: a ring's buffer rows are in ring order, not its positions.
+    padded_rows_from_their_start = False
+
 
 class RotatingKVCache(PlainFields, RingStorage, rotating.RotatingKVCache):
     """Keys and values stored as given in a ring (RING-1), on MLX."""

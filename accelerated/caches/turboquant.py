@@ -13,6 +13,7 @@ from kvspec.accelerated.attention_kernels import TURBO_KEY, TURBO_VALUE, StoredS
 from kvspec.accelerated.caches.attention import attention
 from kvspec.accelerated.caches.kv import GrowingStorage
 from kvspec.accelerated.caches.planned import Encoder
+from kvspec.accelerated.caches.protocol import Mask
 from kvspec.accelerated.caches.reads import SlotRead, running
 from kvspec.accelerated.caches.records import GrowingRecordStorage, record_encode
 from kvspec.accelerated.device import fused_kernels_enabled
@@ -61,11 +62,11 @@ class TurboQuantKVCache(GrowingRecordStorage, GrowingStorage, reference.TurboQua
             layout=turboquant.stored_layout(self.k_bits, self.v_bits, k.shape[-1]),
         )
 
-    def _read_of(self, live: Fields) -> Read:
-        """READ-2's read of live fields with this cache's kernels (TQC-4)."""
+    def _read_of(self, live: Fields, mask: Mask = None) -> Read:
+        """READ-2's read of live fields with this cache's kernels (TQC-4), under `mask`."""
         if self.kernels == "dense":
-            return super()._read_of(live)
-        return self.deferred_read(*self._decode_rotated(live), None)
+            return super()._read_of(live, mask)
+        return self.deferred_read(*self._decode_rotated(live), mask)
 
     def _slot_decoded(self, fields: Fields, new: Fields, visible: mx.array) -> Read:
         """COMPILE-4 with this cache's kernels (TQC-4): the deferred ones attend over the

@@ -596,13 +596,13 @@ constexpr bool SAME_TYPE<A, A> = true;
 // Pass 1 (READ-7) of one block: split blockIdx.x of KV head blockIdx.y. Inputs: q
 // [B, Hq, 1, DK]; per side codes, scales, biases (a null pointer where a format has none:
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
-// row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields.
-// Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV partial
+// row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields;
+// PADDED: each batch row's first buffer row starts[b] (ROWS-6). Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV partial
 // sums, then the split's maximum and sum (one array, so that the merge takes one input).
 // The softmax scale is a template constant (its float32 bits): one compile per model, no
 // per-step upload. Two bodies share the block's setup and its final merge of the warps: on
 // tensor cores (MMA: MMA over 8 positions at a time) and on CUDA cores (lanes over elements).
-template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
+template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC, typename VC,
           typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
           int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
           bool SCALED, int MIN_SPLIT, int MOST_SPLITS, typename Shape, typename Strides>
@@ -612,7 +612,7 @@ __device__ __forceinline__ void partial_pass(
     const KS* k_scales, const Strides& k_scales_strides, const KS* k_biases,
     const VC* v_codes, const Strides& v_codes_strides,
     const VS* v_scales, const Strides& v_scales_strides, const VS* v_biases,
-    const float* table, const int* rows, const int* slot_row,
+    const float* table, const int* rows, const int* slot_row, const int* starts,
     const KC* new_k_codes, const Strides& new_k_codes_strides,
     const KS* new_k_scales, const Strides& new_k_scales_strides, const KS* new_k_biases,
     const VC* new_v_codes, const Strides& new_v_codes_strides,
@@ -636,7 +636,11 @@ __device__ __forceinline__ void partial_pass(
     const int h = bh % kv_heads;
     // The counted variant (eager reads, the compiled step: COMPILE-4) reads the live row
     // count from `rows`.
-    const int T = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
+    // A padded batch (ROWS-6, PADDED): row b's positions start at buffer row starts[b], and
+    // the read is of its own rows alone, as the row's own cache would read them.
+    static_assert(!(PADDED && SLOT), "the compiled step's slot reads no padded rows");
+    const int first = PADDED ? starts[b] : 0;
+    const int T = max(0, (COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2]) - first);
     // The compiled step's slot variant (COMPILE-4): buffer row slot_row[0] comes from the new
     // position's fields. Read before the barrier below, with the count: issued after it, its
     // load's latency stalled the prologue where the count is first used.
@@ -656,10 +660,16 @@ __device__ __forceinline__ void partial_pass(
     const int end = min(T, start + per_split);
 
     // Rows of head (b, h); the scales strides of format PLAIN (which has none) are not read.
-    const long long k_base = b * k_codes_strides[0] + h * k_codes_strides[1];
-    const long long ks_base = KFMT == 0 ? 0 : b * k_scales_strides[0] + h * k_scales_strides[1];
-    const long long v_base = b * v_codes_strides[0] + h * v_codes_strides[1];
-    const long long vs_base = VFMT == 0 ? 0 : b * v_scales_strides[0] + h * v_scales_strides[1];
+    const long long k_base =
+        b * k_codes_strides[0] + h * k_codes_strides[1] + (long long)first * k_codes_strides[2];
+    const long long ks_base = KFMT == 0 ? 0
+        : b * k_scales_strides[0] + h * k_scales_strides[1] +
+              (long long)first * k_scales_strides[2];
+    const long long v_base =
+        b * v_codes_strides[0] + h * v_codes_strides[1] + (long long)first * v_codes_strides[2];
+    const long long vs_base = VFMT == 0 ? 0
+        : b * v_scales_strides[0] + h * v_scales_strides[1] +
+              (long long)first * v_scales_strides[2];
 
     // TurboQuant's 8-bit keys score group by group on 16-bit MMAs (GroupedKeyRow): each
     // group's partial score of 1152 + code against the query scaled by a power of two per
@@ -1284,7 +1294,7 @@ __device__ __forceinline__ AxisStrides element_strides(const S& bytes) {
 // Pass 1 over keys and values stored in one record per row (accelerated/records.py): the
 // fields the formats store at byte offsets OFF_* of a row (-1: a field they do not store),
 // read where they lie; in the slot variant the new position's from its record row.
-template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename VC,
+template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC, typename VC,
           typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
           int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
           bool SCALED, int MIN_SPLIT, int MOST_SPLITS, int OFF_KC, int OFF_KS, int OFF_KB,
@@ -1293,7 +1303,7 @@ template <bool MMA, bool COUNTED, bool SLOT, typename QT, typename KC, typename 
 __device__ __forceinline__ void record_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const uint8_t* record, const Shape& record_shape, const Strides& record_strides,
-    const float* table, const int* rows, const int* slot_row,
+    const float* table, const int* rows, const int* slot_row, const int* starts,
     const uint8_t* new_record, const Strides& new_record_strides, float* partial) {
     // One strides type for every argument of partial_pass: the queries' in elements too.
     const AxisStrides q = element_strides<1>(queries_strides);
@@ -1305,15 +1315,15 @@ __device__ __forceinline__ void record_pass(
     const AxisStrides new_ks = element_strides<sizeof(KS)>(new_record_strides);
     const AxisStrides new_vc = element_strides<sizeof(VC)>(new_record_strides);
     const AxisStrides new_vs = element_strides<sizeof(VS)>(new_record_strides);
-    partial_pass<MMA, COUNTED, SLOT, QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT, KBITS,
-                 KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS, SCALED, MIN_SPLIT,
+    partial_pass<MMA, COUNTED, SLOT, PADDED, QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT,
+                 KBITS, KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS, SCALED, MIN_SPLIT,
                  MOST_SPLITS>(
         queries, queries_shape, q,
         record_field<KC>(record, OFF_KC), record_shape, kc,
         record_field<KS>(record, OFF_KS), ks, record_field<KS>(record, OFF_KB),
         record_field<VC>(record, OFF_VC), vc,
         record_field<VS>(record, OFF_VS), vs, record_field<VS>(record, OFF_VB),
-        table, rows, slot_row,
+        table, rows, slot_row, starts,
         record_field<KC>(new_record, OFF_KC), new_kc,
         record_field<KS>(new_record, OFF_KS), new_ks, record_field<KS>(new_record, OFF_KB),
         record_field<VC>(new_record, OFF_VC), new_vc,
