@@ -395,9 +395,10 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "        return StoredRead(stored, self._launches(stored), decoded, COUNTS.single(rows))\n",
-        "        return StoredRead(stored, self._launches(stored), decoded, "
-        "mx.array([rows], dtype=mx.int32))\n",
+        "        return StoredRead(stored, launches, decoded, COUNTS.single(rows), "
+        "starts=starts)\n",
+        "        return StoredRead(stored, launches, decoded, mx.array([rows], dtype=mx.int32), "
+        "starts=starts)\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
         (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
@@ -482,8 +483,9 @@ CATALOGUE = (
     Mutant(
         "mlx-read-launches-queries-unchecked",
         "accelerated/caches/reads.py",
-        "        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted)\n",
-        "        key = (scale, tensor_cores, counted, slotted)\n",
+        "        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted, "
+        "padded)\n",
+        "        key = (scale, tensor_cores, counted, slotted, padded)\n",
         "a read's launches are kept by everything but the queries: queries that do not fit "
         "the keys launch the kernels of those that did (READ-1)",
         (f"{READ_LAUNCHES}::test_queries_that_do_not_fit_raise_at_every_read",),
