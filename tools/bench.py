@@ -770,6 +770,13 @@ def turn_shapes(args: argparse.Namespace, stack: ExitStack) -> tuple[list[int], 
     return [64], 2, 2
 
 
+def write_rows(path: str | None, rows: Sequence[Any]) -> None:
+    """--json: the device and `rows` to `path` (nothing without one)."""
+    if path:
+        with open(path, "w") as out:
+            json.dump({"device": str(mx.default_device()), "rows": list(rows)}, out, indent=1)
+
+
 def picked_kinds(
     parser: argparse.ArgumentParser, texts: Sequence[str] | None, default: Sequence[str]
 ) -> list[str]:

@@ -15,7 +15,6 @@ against MLX's attention: within READ-1's bound, not equal).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -34,6 +33,7 @@ from bench import (
     picked_kinds,
     samples,
     turn_shapes,
+    write_rows,
 )
 
 from kvspec.accelerated import caches
@@ -132,9 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for row in padded_rows(kind, context, layers, turns)
         ]
     print_rows(rows)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": str(mx.default_device()), "rows": rows}, out, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

@@ -29,7 +29,6 @@ under 0.3 µs a layer of 32.)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -48,6 +47,7 @@ from bench import (
     samples,
     sdpa,
     turn_shapes,
+    write_rows,
 )
 from tree_ab import step_run
 
@@ -188,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for row in ablation_rows(step, kind, context, layers, turns)
         ]
     print_rows(rows)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": str(mx.default_device()), "rows": rows}, out, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

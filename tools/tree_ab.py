@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
-import json
 import re
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from bench import (
     median,
     picked_kinds,
     samples,
+    write_rows,
 )
 
 from kvspec.accelerated import caches as this_caches
@@ -185,9 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"[{row['host_us']:.1f}]  diff {row['max_diff']:.2e}"
                     )
                 report += measured
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(mx.default_device()), "rows": report}, f)
+    write_rows(args.json, report)
     return 0
 
 
