@@ -398,9 +398,10 @@ PADDED_ROWS_KINDS = ("kv", "affine-4-64", "turbo-k8v4-dense", "turbo-k4v2-deferr
 @pytest.mark.parametrize("kind", PADDED_ROWS_KINDS)
 def test_rows_of_a_padded_batch_read_as_each_alone(backend: Backend, kind: str) -> None:
     """ROWS-6 on READ-7's kernels: a left-padded batch of three rows (no padding, 5, 37 of
-    60 positions; then two decodes) reads each row bit for bit as that row's own cache,
-    which holds its positions alone, reads them. (Elsewhere a padded read goes through its
-    mask in MLX ops, whose sums need not fall alike over other lengths.)"""
+    60 positions; then a decode on each of the kernels' bodies) reads each row bit for bit
+    as that row's own cache, which holds its positions alone, reads them. (Elsewhere a
+    padded read goes through its mask in MLX ops, whose sums need not fall alike over other
+    lengths.)"""
     if not _kernels_on_cuda(backend):
         pytest.skip("the decode-attention kernels read padded rows from their start")
     rng = np.random.default_rng(37)
@@ -415,15 +416,18 @@ def test_rows_of_a_padded_batch_read_as_each_alone(backend: Backend, kind: str) 
         cache.append_window(
             k[row : row + 1, :, padding[row] :], v[row : row + 1, :, padding[row] :]
         )
-    for step in range(2):
+    # Each step on the default body and on CUDA cores (READ-7's two bodies).
+    for step, tensor_cores in enumerate([None, False]):
         new_k, new_v = _rows(rng, backend, 3, 2, 1), _rows(rng, backend, 3, 2, 1)
         queries = _rows(rng, backend, 3, 8, 1)
         read = batch.append_decode(new_k, new_v)
-        together = backend.to_numpy(read.attend(queries, 128**-0.5))
+        together = backend.to_numpy(read.attend(queries, 128**-0.5, tensor_cores))
         for row, cache in enumerate(alone):
             one = cache.append_decode(new_k[row : row + 1], new_v[row : row + 1])
-            output = backend.to_numpy(one.attend(queries[row : row + 1], 128**-0.5))
-            assert_same_bits(together[row : row + 1], output, f"step {step} row {row}")
+            output = one.attend(queries[row : row + 1], 128**-0.5, tensor_cores)
+            assert_same_bits(
+                together[row : row + 1], backend.to_numpy(output), f"step {step} row {row}"
+            )
 
 
 #: Every head dim the decode-attention kernels take (on CUDA: their HEAD_DIMS), each a
