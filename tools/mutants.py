@@ -894,8 +894,8 @@ CATALOGUE = (
     Mutant(
         "cuda-splits-follow-the-buffer",
         "accelerated/cuda/decode_attention.cuh",
-        "    const int live_splits = min(splits, min(MOST_SPLITS, max(1, (T + MIN_SPLIT - 1) / "
-        "MIN_SPLIT)));\n",
+        "    const int live_splits =\n"
+        "        min(splits, min(MOST_SPLITS, max(1, (T + MIN_SPLIT - 1) / MIN_SPLIT)));\n",
         "    const int live_splits = splits;\n",
         "pass 1 cuts the live rows into as many splits as its launch has room for, which follow "
         "the buffer's capacity and the batch: equal rows read apart (READ-7)",

@@ -597,15 +597,17 @@ constexpr bool SAME_TYPE<A, A> = true;
 // [B, Hq, 1, DK]; per side codes, scales, biases (a null pointer where a format has none:
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
 // row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields;
-// PADDED: each batch row's first buffer row starts[b] (ROWS-6). Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV partial
-// sums, then the split's maximum and sum (one array, so that the merge takes one input).
+// PADDED: each batch row's first buffer row starts[b] (ROWS-6). Output: one row a split of
+// each query head, [B * Hq, SPLITS, DV + 2]: the DV partial sums, then the split's maximum
+// and sum (one array, so that the merge takes one input).
 // The softmax scale is a template constant (its float32 bits): one compile per model, no
 // per-step upload. Two bodies share the block's setup and its final merge of the warps: on
 // tensor cores (MMA: MMA over 8 positions at a time) and on CUDA cores (lanes over elements).
-template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC, typename VC,
-          typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
-          int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
-          bool SCALED, int MIN_SPLIT, int MOST_SPLITS, typename Shape, typename Strides>
+template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC,
+          typename VC, typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE,
+          int KFMT, int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE,
+          int SCALE_BITS, bool SCALED, int MIN_SPLIT, int MOST_SPLITS, typename Shape,
+          typename Strides>
 __device__ __forceinline__ void partial_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const KC* k_codes, const Shape& k_codes_shape, const Strides& k_codes_strides,
@@ -640,7 +642,8 @@ __device__ __forceinline__ void partial_pass(
     // the read is of its own rows alone, as the row's own cache would read them.
     static_assert(!(PADDED && SLOT), "the compiled step's slot reads no padded rows");
     const int first = PADDED ? starts[b] : 0;
-    const int T = max(0, (COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2]) - first);
+    const int stored_rows = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
+    const int T = max(0, stored_rows - first);
     // The compiled step's slot variant (COMPILE-4): buffer row slot_row[0] comes from the new
     // position's fields. Read before the barrier below, with the count: issued after it, its
     // load's latency stalled the prologue where the count is first used.
@@ -654,7 +657,8 @@ __device__ __forceinline__ void partial_pass(
     // The live rows' splits (READ-7): as many as T alone asks for, so that the read does not
     // follow the buffer's capacity (the launch has room for its whole length's splits,
     // never fewer than T's) nor the batch; the blocks past them read nothing.
-    const int live_splits = min(splits, min(MOST_SPLITS, max(1, (T + MIN_SPLIT - 1) / MIN_SPLIT)));
+    const int live_splits =
+        min(splits, min(MOST_SPLITS, max(1, (T + MIN_SPLIT - 1) / MIN_SPLIT)));
     const int per_split = (T + live_splits - 1) / live_splits;
     const int start = split * per_split;
     const int end = min(T, start + per_split);
@@ -1294,12 +1298,11 @@ __device__ __forceinline__ AxisStrides element_strides(const S& bytes) {
 // Pass 1 over keys and values stored in one record per row (accelerated/records.py): the
 // fields the formats store at byte offsets OFF_* of a row (-1: a field they do not store),
 // read where they lie; in the slot variant the new position's from its record row.
-template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC, typename VC,
-          typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE, int KFMT,
-          int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE, int SCALE_BITS,
-          bool SCALED, int MIN_SPLIT, int MOST_SPLITS, int OFF_KC, int OFF_KS, int OFF_KB,
-          int OFF_VC, int OFF_VS, int OFF_VB,
-          typename Shape, typename Strides>
+template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC,
+          typename VC, typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE,
+          int KFMT, int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE,
+          int SCALE_BITS, bool SCALED, int MIN_SPLIT, int MOST_SPLITS, int OFF_KC, int OFF_KS,
+          int OFF_KB, int OFF_VC, int OFF_VS, int OFF_VB, typename Shape, typename Strides>
 __device__ __forceinline__ void record_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const uint8_t* record, const Shape& record_shape, const Strides& record_strides,
