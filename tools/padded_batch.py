@@ -39,19 +39,21 @@ from bench import (
 from kvspec.accelerated import caches
 from kvspec.accelerated.caches.reads import ReadMethods
 
-#: Rows of the batch.
-BATCH = 4
+#: Each row's left padding, as a share of the context's positions: the batch's rows.
+PADDING_SHARES = (0.0, 0.125, 0.25, 0.5)
+BATCH = len(PADDING_SHARES)
 #: The reads a run takes turns between: whether padded rows are read from their start.
 READS = {"kernels": True, "masked window": False}
 
 
 def padding(context: int) -> list[int]:
-    """The rows' left padding at `context` positions: 0, T/8, T/4, T/2."""
-    return [0, context // 8, context // 4, context // 2][:BATCH]
+    """The rows' left padding at `context` positions (PADDING_SHARES)."""
+    return [int(context * share) for share in PADDING_SHARES]
 
 
-def batch_rows(shape_positions: int) -> mx.array:
-    rows = mx.random.normal((BATCH, KV_HEADS, shape_positions, HEAD_DIM)).astype(mx.bfloat16)
+def batch_rows(positions: int) -> mx.array:
+    """Random bf16 keys or values of the batch, [BATCH, KV_HEADS, positions, HEAD_DIM]."""
+    rows = mx.random.normal((BATCH, KV_HEADS, positions, HEAD_DIM)).astype(mx.bfloat16)
     mx.eval(rows)
     return rows
 
