@@ -139,19 +139,19 @@ _PARTIAL_CONSTANTS = (
 
 
 def _pass_inputs(
-    key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool, padded: bool = False
+    key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool, ordered: bool = False
 ) -> list[str]:
     """The inputs of a pass-1 kernel: the fields the two formats store (none stands in for
     a field a format does not have) or the record that holds them all, the compiled step's
-    row count and write slot, and a padded batch's first rows, where the variant takes
-    them. (TurboQuant's codebook is in the kernel's header.)"""
+    row count and write slot, and the order of each batch row's rows, where the variant
+    takes them. (TurboQuant's codebook is in the kernel's header.)"""
     if record:
         return [
             "queries",
             "record",
             *(["rows"] if counted else []),
             *(["slot_row", "new_record"] if slot else []),
-            *(["starts"] if padded else []),
+            *(["order"] if ordered else []),
         ]
     key_scales, key_biases = _GROUP_FIELDS[key_fmt]
     value_scales, value_biases = _GROUP_FIELDS[value_fmt]
@@ -170,7 +170,7 @@ def _pass_inputs(
         *side("", "v"),
         *(["rows"] if counted else []),
         *(["slot_row", *side("new_", "k"), *side("new_", "v")] if slot else []),
-        *(["starts"] if padded else []),
+        *(["order"] if ordered else []),
     ]
 
 
@@ -196,7 +196,7 @@ def _partial_call(
     mma: bool,
     counted: bool,
     slot: bool,
-    padded: bool,
+    ordered: bool,
     inputs: list[str],
     offsets: tuple[int, ...] | None,
     codebook: bool,
@@ -207,7 +207,7 @@ def _partial_call(
     its strides (never read: the format has no such field, or COUNTED and SLOT are false).
     With `offsets` (_record_offsets) a call of record_pass, which reads the fields of
     `record` at those byte offsets."""
-    flags = ", ".join("true" if on else "false" for on in (mma, counted, slot, padded))
+    flags = ", ".join("true" if on else "false" for on in (mma, counted, slot, ordered))
     table = CODEBOOK if codebook else "nullptr"
 
     def pointer(name: str) -> str:
@@ -218,7 +218,7 @@ def _partial_call(
             f"kvspec_attn::record_pass<{flags}, {_PARTIAL_CONSTANTS}, "
             f"{', '.join(str(offset) for offset in offsets)}>("
             "queries, queries_shape, queries_strides, record, record_shape, record_strides, "
-            f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('starts')}, "
+            f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('order')}, "
             f"{pointer('new_record')}, "
             f"{'new_record_strides' if 'new_record' in inputs else 'record_strides'}, "
             "partial);"
@@ -245,7 +245,7 @@ def _partial_call(
     return (
         f"kvspec_attn::partial_pass<{flags}, {_PARTIAL_CONSTANTS}>("
         f"queries, queries_shape, queries_strides, {side('k', shape=True)}, {side('v')}, "
-        f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('starts')}, "
+        f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('order')}, "
         f"{side('new_k')}, "
         f"{side('new_v')}, partial);"
     )
@@ -257,7 +257,7 @@ def _partial_kernel(
     counted: bool,
     mma: bool,
     slot: bool,
-    padded: bool,
+    ordered: bool,
     key_fmt: int,
     value_fmt: int,
     offsets: tuple[int, ...] | None,
@@ -265,8 +265,8 @@ def _partial_kernel(
     # One kernel object per plan (its constants and the dynamic shared memory of each
     # body) and variant. The counted variant takes one more input, `rows` (int32 [1]): the
     # live row count of an eager read or of the compiled step (COMPILE-4); the slot variant
-    # the write slot's row (int32 [1]) and the new position's fields; the padded one a
-    # padded batch's first buffer row of each batch row, `starts` (int32 [B], ROWS-6); the
+    # the write slot's row (int32 [1]) and the new position's fields; the ordered one the
+    # order of each batch row's live rows, `order` (int32 [2 + B]: ROWS-6, READ-7); the
     # plain one none. Each takes only the fields its formats store, or with `offsets`
     # (RecordFormat) the record that holds them, whose offsets are in the source and so in
     # the kernel's name (MLX keeps one build per name).
@@ -276,12 +276,12 @@ def _partial_kernel(
             ("_mma", mma),
             ("_counted", counted),
             ("_slot", slot),
-            ("_padded", padded),
+            ("_ordered", ordered),
         )
         if on
     )
     name = f"{name}_{key_fmt}{value_fmt}"
-    inputs = _pass_inputs(key_fmt, value_fmt, counted, slot, offsets is not None, padded)
+    inputs = _pass_inputs(key_fmt, value_fmt, counted, slot, offsets is not None, ordered)
     if offsets is not None:
         name += "_record_" + "_".join(str(offset) for offset in offsets)
     rotated = value_fmt == TURBO_VALUE
@@ -290,7 +290,7 @@ def _partial_kernel(
     call_offsets = _record_offsets(key_fmt, value_fmt, offsets)
     return cuda_kernel(
         name,
-        _partial_call(mma, counted, slot, padded, inputs, call_offsets, rotated),
+        _partial_call(mma, counted, slot, ordered, inputs, call_offsets, rotated),
         plan.partial_constants,
         input_names=inputs,
         output_names=["partial"],
@@ -541,7 +541,7 @@ def decode_attention(
     rows: mx.array | None = None,
     tensor_cores: bool | None = None,
     slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None = None,
-    starts: mx.array | None = None,
+    order: mx.array | None = None,
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row of `stored`
     (the sides, the read covering the first T rows of the key codes; or a record, its T
@@ -552,11 +552,11 @@ def decode_attention(
     nothing. `tensor_cores` picks the pass-1 body (None: tensor cores wherever
     `tensor_core_fit`). `slot` = (row, new), the compiled step's write slot (COMPILE-4):
     buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
-    record row) instead of the buffers. `starts` (int32 [B]), a padded batch's (ROWS-6):
-    batch row b is read from buffer row starts[b] on, as if its rows began there. Call only
-    when `supported`."""
+    record row) instead of the buffers. `order` (`row_order`): the order of
+    each batch row's live rows where it is not the buffer's, a padded batch's (ROWS-6) or a
+    ring's (READ-7). Call only when `supported`."""
     formats = stored_formats(stored)
-    counted, slotted, padded = rows is not None, slot is not None, starts is not None
+    counted, slotted, ordered = rows is not None, slot is not None, order is not None
     launch = _read_launch(
         tuple(queries.shape),
         queries.dtype,
@@ -566,9 +566,19 @@ def decode_attention(
         counted,
         tensor_cores,
         slotted,
-        padded,
+        ordered,
     )
-    return launch(queries, stored, rows, slot, starts)
+    return launch(queries, stored, rows, slot, order)
+
+
+@lru_cache(maxsize=256)
+def row_order(keep: int, turn: int, hidden: tuple[int, ...]) -> mx.array:
+    """The ordered variant's `order` (int32 [2 + B]; decode_attention.cuh's RowOrder): batch
+    row b reads the live rows of its buffer past its `hidden[b]` oldest, oldest first,
+    temporal row u lying at buffer row u below `keep` and at keep + (u - keep + turn) mod
+    (rows - keep) from there on. One array per order, shared by every layer that reads it
+    (arrays are values)."""
+    return mx.array([keep, turn, *hidden], dtype=mx.int32)
 
 
 #: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
@@ -583,11 +593,11 @@ def read_launch(
     counted: bool,
     tensor_cores: bool | None,
     slotted: bool,
-    padded: bool = False,
+    ordered: bool = False,
 ) -> ReadLaunch | None:
     """The launches of `decode_attention(queries, stored, scale, out_dtype, rows,
-    tensor_cores, slot, starts)` for stored rows of `formats` (`stored_formats`), `counted`
-    whether it has rows, `slotted` a slot and `padded` starts, planned once per
+    tensor_cores, slot, order)` for stored rows of `formats` (`stored_formats`), `counted`
+    whether it has rows, `slotted` a slot and `ordered` an order, planned once per
     configuration; None where the kernels do not take the read (`supported`, one query
     position). It does not check the queries against the stored keys
     (`ReadLaunch.keys_shape`)."""
@@ -606,7 +616,7 @@ def read_launch(
         counted,
         tensor_cores,
         slotted,
-        padded,
+        ordered,
     )
 
 
@@ -638,7 +648,7 @@ class ReadLaunch(NamedTuple):
         stored: Stored,
         rows: mx.array | None,
         slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None,
-        starts: mx.array | None = None,
+        order: mx.array | None = None,
     ) -> mx.array:
         """The read's output [B, Hq, 1, Dv] (`decode_attention`'s arguments)."""
         if isinstance(stored, StoredRecord):
@@ -652,8 +662,8 @@ class ReadLaunch(NamedTuple):
         if rows is not None:
             inputs.append(rows)
         inputs += slot_inputs
-        if starts is not None:
-            inputs.append(starts)
+        if order is not None:
+            inputs.append(order)
         (partial,) = self.partial(inputs=inputs, **self.partial_options)
         (out,) = self.merge(inputs=[partial], **self.merge_options)
         return out
@@ -669,7 +679,7 @@ def _read_launch(
     counted: bool,
     tensor_cores: bool | None,
     slotted: bool,
-    padded: bool = False,
+    ordered: bool = False,
 ) -> ReadLaunch:
     """The kernels and launch options of a read configuration, made once: a decode step
     reads with the same configuration at every layer, and (whole buffers with a live count)
@@ -695,7 +705,7 @@ def _read_launch(
     DV = values.dim
     return ReadLaunch(
         _partial_kernel(
-            plan, counted, tensor_cores, slotted, padded, keys.fmt, values.fmt, offsets
+            plan, counted, tensor_cores, slotted, ordered, keys.fmt, values.fmt, offsets
         ),
         {
             "grid": (splits * threads, B * Hk, 1),

@@ -28,24 +28,24 @@ def _calls() -> dict[str, tuple[str, str]]:
     }
     for mma in (False, True):
         variants = ((False, False, False), (True, False, False), (True, True, False))
-        for counted, slot, padded in (*variants, (True, False, True)):
+        for counted, slot, ordered in (*variants, (True, False, True)):
             for kind, (key_fmt, value_fmt) in _formats().items():
                 codebook = value_fmt == attention_kernels.TURBO_VALUE
                 inputs = attention_kernels._pass_inputs(
-                    key_fmt, value_fmt, counted, slot, False, padded
+                    key_fmt, value_fmt, counted, slot, False, ordered
                 )
                 call = attention_kernels._partial_call(
-                    mma, counted, slot, padded, inputs, None, codebook
+                    mma, counted, slot, ordered, inputs, None, codebook
                 )
                 name = f"attention pass 1 {kind} mma={mma} counted={counted} slot={slot}"
-                name += " padded" if padded else ""
+                name += " ordered" if ordered else ""
                 calls[name] = (call, "decode_attention.cuh")
                 inputs = attention_kernels._pass_inputs(
-                    key_fmt, value_fmt, counted, slot, True, padded
+                    key_fmt, value_fmt, counted, slot, True, ordered
                 )
                 offsets = _record_offsets(key_fmt, value_fmt)
                 call = attention_kernels._partial_call(
-                    mma, counted, slot, padded, inputs, offsets, codebook
+                    mma, counted, slot, ordered, inputs, offsets, codebook
                 )
                 calls[f"{name} record"] = (call, "decode_attention.cuh")
     return calls

@@ -391,33 +391,86 @@ def test_rows_of_a_batch_read_as_each_alone(backend: Backend, kind: str) -> None
         assert_same_bits(together[row : row + 1], output, f"row {row}")
 
 
-#: Growable kinds, whose padded batches READ-7's kernels read row by row (ROWS-6).
-PADDED_ROWS_KINDS = ("kv", "affine-4-64", "turbo-k8v4-dense", "turbo-k4v2-deferred")
+#: Rings of 150 positions, keeping 3 or none, whose reads READ-7's kernels take oldest first.
+RING_KINDS = {
+    "ring-keep-3": lambda c: c.RotatingKVCache(150, keep=3),
+    "ring-keep-0": lambda c: c.RotatingKVCache(150),
+    "affine-ring-6-64-keep-0": lambda c: c.RotatingQuantizedKVCache(150, 64, 6, checks="deferred"),
+}
+
+
+@pytest.mark.parametrize("kind", RING_KINDS)
+def test_a_ring_reads_its_rows_oldest_first(backend: Backend, kind: str) -> None:
+    """READ-7: a ring's read follows its positions, not the turn of its buffer. A ring of
+    150 takes 137 positions and then decodes 63 more, one by one, wrapping; at six of
+    those steps (the oldest row at buffer row 0, and turns that cut the splits' chunks
+    apart in several places), on each of the kernels' bodies, its read equals bit for bit
+    the read of a ring holding the same positions in temporal order (the kept ones and the
+    last window appended at once, then the newest decoded)."""
+    if not _kernels_on_cuda(backend):
+        pytest.skip("the decode-attention kernels read a ring oldest first")
+    rng = np.random.default_rng(150)
+    caches = backend.module("caches")
+    k, v = _rows(rng, backend, 1, 2, 200), _rows(rng, backend, 1, 2, 200)
+    turning = RING_KINDS[kind](caches)
+    size, keep = turning.max_size, turning.keep
+    turning.append_window(k[:, :, :137], v[:, :, :137])
+    for offset in range(137, 200):
+        queries = _rows(rng, backend, 1, 8, 1)
+        new = (k[:, :, offset : offset + 1], v[:, :, offset : offset + 1])
+        read = turning.append_decode(*new)
+        if offset not in (149, 150, 157, 171, 194, 199):
+            continue
+        # The positions the ring holds before the newest: the kept ones, then the last.
+        held = [*range(keep), *range(offset - (size - 1 - keep), offset)]
+        temporal = RING_KINDS[kind](caches)
+        temporal.append_window(k[:, :, held], v[:, :, held])
+        assert temporal.ring_index == temporal.offset == size - 1
+        in_order = temporal.append_decode(*new)
+        for tensor_cores in (None, False):
+            assert_same_bits(
+                backend.to_numpy(read.attend(queries, 128**-0.5, tensor_cores)),
+                backend.to_numpy(in_order.attend(queries, 128**-0.5, tensor_cores)),
+                f"offset {offset} tensor cores {tensor_cores}",
+            )
+
+
+#: Growable kinds and rings without kept positions, whose padded batches READ-7's kernels
+#: read row by row (ROWS-6).
+PADDED_ROWS_KINDS = {
+    **{
+        kind: READ_KINDS[kind]
+        for kind in ("kv", "affine-4-64", "turbo-k8v4-dense", "turbo-k4v2-deferred")
+    },
+    "ring-40": lambda c: c.RotatingKVCache(40),
+    "affine-ring-6-64": READ_KINDS["affine-ring-6-64"],
+}
 
 
 @pytest.mark.parametrize("kind", PADDED_ROWS_KINDS)
 def test_rows_of_a_padded_batch_read_as_each_alone(backend: Backend, kind: str) -> None:
     """ROWS-6 on READ-7's kernels: a left-padded batch of three rows (no padding, 5, 37 of
-    60 positions; then a decode on each of the kernels' bodies) reads each row bit for bit
-    as that row's own cache, which holds its positions alone, reads them. (Elsewhere a
-    padded read goes through its mask in MLX ops, whose sums need not fall alike over other
-    lengths.)"""
+    60 positions; then three decodes, on each of the kernels' bodies) reads each row bit
+    for bit as that row's own cache, which holds its positions alone, reads them: a ring of
+    40 holds the batch's last 40 positions in another turn than each row's own ring, or
+    (the row of 23) a ring that has not wrapped. (Elsewhere a padded read goes through its
+    mask in MLX ops, whose sums need not fall alike over other lengths.)"""
     if not _kernels_on_cuda(backend):
         pytest.skip("the decode-attention kernels read padded rows from their start")
     rng = np.random.default_rng(37)
     caches = backend.module("caches")
     padding = [0, 5, 37]
     k, v = _rows(rng, backend, 3, 2, 60), _rows(rng, backend, 3, 2, 60)
-    batch = READ_KINDS[kind](caches)
+    batch = PADDED_ROWS_KINDS[kind](caches)
     batch.prepare(left_padding=padding)
     batch.append_window(k, v)
-    alone = [READ_KINDS[kind](caches) for _ in padding]
+    alone = [PADDED_ROWS_KINDS[kind](caches) for _ in padding]
     for row, cache in enumerate(alone):
         cache.append_window(
             k[row : row + 1, :, padding[row] :], v[row : row + 1, :, padding[row] :]
         )
-    # Each step on the default body and on CUDA cores (READ-7's two bodies).
-    for step, tensor_cores in enumerate([None, False]):
+    # The steps on the default body and on CUDA cores (READ-7's two bodies).
+    for step, tensor_cores in enumerate([None, False, None]):
         new_k, new_v = _rows(rng, backend, 3, 2, 1), _rows(rng, backend, 3, 2, 1)
         queries = _rows(rng, backend, 3, 8, 1)
         read = batch.append_decode(new_k, new_v)

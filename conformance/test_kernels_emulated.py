@@ -94,6 +94,11 @@ def test_rows_of_a_padded_batch_read_as_alone(emulated: Backend, kind: str) -> N
     decode_step.test_rows_of_a_padded_batch_read_as_each_alone(emulated, kind)
 
 
+@pytest.mark.parametrize("kind", decode_step.RING_KINDS)
+def test_a_ring_reads_oldest_first(emulated: Backend, kind: str) -> None:
+    decode_step.test_a_ring_reads_its_rows_oldest_first(emulated, kind)
+
+
 @pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
 def test_one_row_reads_return_its_values(emulated: Backend, kind: str) -> None:
     decode_step.test_a_decode_read_of_one_row_returns_its_values_as_decoded(

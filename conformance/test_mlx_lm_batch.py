@@ -105,7 +105,6 @@ def test_bf16_batch_equals_mlx_lm(model, prefill_step_size) -> None:
             )
 
 
-@pytest.mark.mlx_ops_reads
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_row_generates_as_alone(model, scheme) -> None:
     """Compressed schemes without a start: each sequence's tokens equal the same scheme

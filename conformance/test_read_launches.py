@@ -37,7 +37,7 @@ def fresh_launches(launches: object, read: object, queries: object) -> list[tupl
     return launched(
         launches,
         lambda: attention_kernels.decode_attention(
-            queries, read.stored, SCALE, read_dtype, read.rows
+            queries, read.stored, SCALE, read_dtype, read.rows, order=read.order
         ),
     )
 

@@ -13,7 +13,8 @@ dimension), then each output as `T*`, with the source as its body; NVRTC compile
 the device's architecture (`sm_90a` on an H200). Here a short preamble stands in for MLX's
 header (the kernels' files need only its Shape and Strides, MAX_NDIM = 10), and ptxas
 reports what each compiled kernel uses. The kernels are the ones the path makes for a
-prefill of PREFILL positions, an eager decode step and a compiled step (its slot variant),
+prefill of PREFILL positions, an eager decode step, a left-padded batch's (the ordered
+variant, which a ring's read takes once it wraps) and a compiled step (its slot variant),
 32 query heads over 8 KV heads, found by running the path with stand-in kernels
 (`kvspec.conformance.stand_ins`).
 
@@ -84,8 +85,8 @@ class Usage:
 
 
 def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
-    """The kernels the CUDA path makes for each kind: a prefill, an eager decode step and a
-    compiled decode step, by kernel name."""
+    """The kernels the CUDA path makes for each kind: a prefill, an eager decode step, a
+    padded batch's decode step and a compiled decode step, by kernel name."""
     with cuda_path() as launches:
         for kind in kinds:
             cache = KINDS[kind](PREFILL + 8)
@@ -94,6 +95,11 @@ def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
             queries = mx.ones((1, 32, 1, head_dim), mx.bfloat16)
             cache.append_window(kv, kv)
             cache.append_decode(one, one).attend(queries, head_dim**-0.5)
+            padded = KINDS[kind](PREFILL + 8)
+            padded.prepare(left_padding=[0, 1])
+            two = [mx.concatenate([array, array]) for array in (kv, one, queries)]
+            padded.append_window(two[0], two[0])
+            padded.append_decode(two[1], two[1]).attend(two[2], head_dim**-0.5)
 
             def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list:
                 return [trace.append_decode(k, v).attend(q, head_dim**-0.5) for trace in traces]

@@ -395,10 +395,9 @@ CATALOGUE = (
     Mutant(
         "mlx-read-row-count-per-layer",
         "accelerated/caches/reads.py",
-        "        return StoredRead(stored, launches, decoded, COUNTS.single(rows), "
-        "starts=starts)\n",
+        "        return StoredRead(stored, launches, decoded, COUNTS.single(rows), order=order)\n",
         "        return StoredRead(stored, launches, decoded, mx.array([rows], dtype=mx.int32), "
-        "starts=starts)\n",
+        "order=order)\n",
         "an eager decode read makes its live row count once per layer, an array MLX hands the "
         "device for each (READ-7)",
         (f"{STEP_OPS}::test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers",),
@@ -484,8 +483,8 @@ CATALOGUE = (
         "mlx-read-launches-queries-unchecked",
         "accelerated/caches/reads.py",
         "        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted, "
-        "padded)\n",
-        "        key = (scale, tensor_cores, counted, slotted, padded)\n",
+        "ordered)\n",
+        "        key = (scale, tensor_cores, counted, slotted, ordered)\n",
         "a read's launches are kept by everything but the queries: queries that do not fit "
         "the keys launch the kernels of those that did (READ-1)",
         (f"{READ_LAUNCHES}::test_queries_that_do_not_fit_raise_at_every_read",),
@@ -907,11 +906,49 @@ CATALOGUE = (
     Mutant(
         "cuda-padded-rows-from-buffer-row-0",
         "accelerated/cuda/decode_attention.cuh",
-        "    const int first = PADDED ? starts[b] : 0;\n",
+        "    const int first = ordering.hidden;\n",
         "    const int first = 0;\n",
         "a padded batch's rows are read from buffer row 0, their padding with them (ROWS-6, "
         "READ-7)",
         (f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[affine-4-64]",),
+    ),
+    Mutant(
+        "cuda-ring-pointers-keep-their-run",
+        "accelerated/cuda/decode_attention.cuh",
+        "                    move_pointers(chunk_rows + shift - carried);\n",
+        "                    move_pointers(chunk_rows);\n",
+        "after a chunk that leaves its run of rows, a warp's pointers keep the run's shift: a "
+        "ring's later chunks read the wrong rows (READ-7)",
+        (f"{EMULATED}::test_a_ring_reads_oldest_first[ring-keep-0]",),
+    ),
+    Mutant(
+        "cuda-ring-kept-rows-turned",
+        "accelerated/cuda/decode_attention.cuh",
+        "        if (u < keep) return 0;\n",
+        "",
+        "a ring's kept rows are read as if they turned with the others (READ-7)",
+        (f"{EMULATED}::test_a_ring_reads_oldest_first[ring-keep-3]",),
+    ),
+    Mutant(
+        "mlx-ring-read-in-buffer-order",
+        "accelerated/caches/rotating.py",
+        "        return self.keep, (self._index - self.keep) % (rows - self.keep)\n",
+        "        return self.keep, 0\n",
+        "a wrapped ring is read in buffer order, not oldest first: its reads follow the turn "
+        "of its buffer, and a padded ring's rows hide the wrong positions (READ-7, ROWS-6)",
+        (
+            f"{EMULATED}::test_a_ring_reads_oldest_first[affine-ring-6-64-keep-0]",
+            f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[ring-40]",
+        ),
+    ),
+    Mutant(
+        "mlx-padded-ring-hides-from-position-0",
+        "accelerated/caches/reads.py",
+        "        oldest = self.offset - rows\n",
+        "        oldest = 0\n",
+        "a padded ring that wrapped hides each row's padding as if its oldest row held "
+        "position 0 (ROWS-6)",
+        (f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[affine-ring-6-64]",),
     ),
     Mutant(
         "cuda-rotated-merge-barrier-missing",

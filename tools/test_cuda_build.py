@@ -51,7 +51,8 @@ def test_the_path_makes_the_encode_pass_and_merge_of_each_step() -> None:
     assert any(name.startswith("kvspec_turboquant_encode") for name in names)
     passes = [name for name in names if name.startswith("kvspec_decode_attention")]
     assert sum("_slot_" in name for name in passes) == 1  # the compiled step's
-    assert len(passes) == 2  # and the eager read's
+    assert sum("_ordered_" in name for name in passes) == 1  # the padded batch's
+    assert len(passes) == 3  # and the eager read's
     assert any(name.startswith("kvspec_decode_merge_rotated") for name in names)
 
 
@@ -83,12 +84,13 @@ def test_quick_run_compiles_one_kernel(tmp_path: Path) -> None:
 def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path: Path) -> None:
     """READ-7 on CUDA: the split (TARGET_BLOCKS) counts on BLOCKS_PER_SM blocks of WARPS
     warps resident per SM; a pass compiled to more registers a thread than an SM's 65536
-    allow for them runs a block fewer (the affine 8-bit slot variant did, at 139)."""
+    allow for them runs a block fewer (the affine 8-bit slot variant did, at 139; the
+    ordered variant's first version at 144 and 160)."""
     out = tmp_path / "rows.json"
     assert cuda_build.main(["--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     passes = [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
-    assert len(passes) == 2 * len(bench.TARGET_KINDS)  # eager and slot variants
+    assert len(passes) == 3 * len(bench.TARGET_KINDS)  # eager, ordered and slot variants
     limit = 65536 // (BLOCKS_PER_SM * WARPS * 32)
     assert all(row["registers"] <= limit for row in passes), passes
     # And in an SM's shared memory: a block takes its static and dynamic bytes and the 1 KiB

@@ -10,7 +10,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import partial
 from types import ModuleType
 
 import mlx.core as mx
@@ -111,9 +111,9 @@ class StoredRead:
     rows: mx.array | None = None
     #: The compiled step's new position, held apart from the buffers (COMPILE-4).
     slot: WriteSlot | None = None
-    #: A padded batch's first buffer row of each batch row (int32 [B], ROWS-6): the
-    #: kernels read row b from there on. None: no row is padded.
-    starts: mx.array | None = None
+    #: The order of each batch row's live rows (`attention_kernels.row_order`: ROWS-6's
+    #: padding, a ring's rotation). None: the buffer's order, every row live.
+    order: mx.array | None = None
 
     def attend(self, queries: mx.array, scale: float, tensor_cores: bool | None = None) -> mx.array:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows. On the kernels'
@@ -127,13 +127,13 @@ class StoredRead:
                 tensor_cores,
                 self.rows is not None,
                 self.slot is not None,
-                self.starts is not None,
+                self.order is not None,
             )
         if launch is None:
             return self.decoded().attend(queries, scale)
         slot = None if self.slot is None else (self.slot.position, self.slot.new)
         # The kernels widen the queries themselves; the output is in the read's format.
-        return launch(queries, self.stored, self.rows, slot, self.starts)
+        return launch(queries, self.stored, self.rows, slot, self.order)
 
 
 class ReadLaunches:
@@ -186,7 +186,7 @@ class ReadLaunches:
         tensor_cores: bool | None,
         counted: bool,
         slotted: bool,
-        padded: bool = False,
+        ordered: bool = False,
     ) -> attention_kernels.ReadLaunch | None:
         """`attention_kernels.read_launch` for these queries, their fit checked (READ-1:
         ValueError, at every call, for queries that do not fit); kept per query shape and
@@ -200,13 +200,13 @@ class ReadLaunches:
             # The kernel objects were dropped (other sources, shapes or stand-ins).
             self._launches.clear()
             self._generation = generation
-        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted, padded)
+        key = (queries.shape, queries.dtype, scale, tensor_cores, counted, slotted, ordered)
         try:
             return self._launches[key]
         except KeyError:
             pass
         launch = attention_kernels.read_launch(
-            queries, self._formats, scale, self.read_dtype, counted, tensor_cores, slotted, padded
+            queries, self._formats, scale, self.read_dtype, counted, tensor_cores, slotted, ordered
         )
         if launch is not None:
             check_queries(queries, launch.keys_shape, self.read_dtype)
@@ -242,19 +242,13 @@ class ReadMethods(reads.ReadMethods):
         assert self._fields is not None
         self._fields = written_rows(self._fields, start, parts)
 
-    #: ROWS-6 on READ-7's kernels: whether a padded batch's decode reads take each row from
-    #: its first buffer row on, where buffer rows are positions (growable storage); a ring,
-    #: whose rows are in ring order, reads padded rows through their mask.
-    padded_rows_from_their_start: bool = True
-
     def append_and_read(self, k: mx.array, v: mx.array, mask: Mask) -> Read:
         """A read without a mask is a decode read (READ-2): append, then READ-7's read of
-        the stored rows, decoded only if its attention needs them; a padded batch's rows
-        each from their first position on (ROWS-6), where the storage's buffer rows are
-        its positions. Other reads of rows of their own lengths go through their padding
-        mask."""
+        the stored rows, decoded only if its attention needs them, each batch row's live
+        rows oldest first (`_row_order`: a padded batch's rows from their first position
+        on, ROWS-6; a ring's from its oldest row on)."""
         padding = self._left_padding
-        if mask is not None or (padding and not self.padded_rows_from_their_start):
+        if mask is not None:
             return super().append_and_read(k, v, mask)
         self._append(k, v)
         # The buffers as they are now (a later write rebinds the fields, never changes
@@ -265,22 +259,54 @@ class ReadMethods(reads.ReadMethods):
         assert fields is not None
         rows = self._live_rows()
         offset = self.offset
+        positions = self._live_positions() if padding else None
 
         def decoded() -> Read:
             live = tuple(field[:, :, :rows] for field in fields)
             if not padding:
                 return self._read_of(live)
             # ROWS-6's mask of this decode, as it was at the append.
-            positions = np.arange(rows)
+            assert positions is not None
             query = np.array([offset - 1])
             return self._read_of(
-                live, self.masks.padded_mask(None, 1, positions, np.array(padding), query)
+                live, self.masks.padded_mask(None, 1, positions(), np.array(padding), query)
             )
 
         stored = self._stored_rows(fields)
-        starts = _padded_starts(padding) if padding else None
+        # (Off CUDA no kernel reads the order: no array a step made for it.)
+        ordered = (padding or self.rotates) and fused_kernels_enabled()
+        order = self._row_order(rows) if ordered else None
         launches = self._launches(stored)
-        return StoredRead(stored, launches, decoded, COUNTS.single(rows), starts=starts)
+        return StoredRead(stored, launches, decoded, COUNTS.single(rows), order=order)
+
+    #: READ-7: whether the storage's buffer rows may lie in another order than its positions
+    #: (a ring's, `_rotation`).
+    rotates: bool = False
+
+    def _live_positions(self) -> Callable[[], np.ndarray]:
+        """ROWS-6: the buffer position of each live row as the storage holds them now,
+        computed when asked (`_buffer_positions`). Growable storage: row r holds r."""
+        return partial(np.arange, self._live_rows())
+
+    def _rotation(self, rows: int) -> tuple[int, int]:
+        """READ-7: keep and turn of RowOrder for `rows` live rows: temporal row u lies at
+        buffer row u below keep, at keep + (u - keep + turn) mod (rows - keep) from there
+        on. Growable storage: every row in temporal order."""
+        return 0, 0
+
+    def _row_order(self, rows: int) -> mx.array | None:
+        """ROWS-6, READ-7: the order in which the kernels read each batch row's live rows,
+        oldest first from its first position on (`attention_kernels.row_order`); None where
+        that is the buffer's order from row 0. The last `rows` positions are live; row b's
+        first left_padding[b] positions are hidden."""
+        keep, turn = self._rotation(rows)
+        oldest = self.offset - rows
+        hidden = tuple(min(rows, max(0, pad - oldest)) for pad in self._left_padding)
+        if turn == 0 and not any(hidden):
+            return None
+        layout = self._layout
+        assert layout is not None
+        return attention_kernels.row_order(keep, turn, hidden or (0,) * layout.batch)
 
     #: The launches of this storage's last read configuration (`_launches`).
     _read_launches: ReadLaunches | None = None
@@ -409,13 +435,6 @@ class ReadMethods(reads.ReadMethods):
         a decode loop runs, and no step reads it on the host."""
         self._failure = failure
         return fields
-
-
-@lru_cache(maxsize=64)
-def _padded_starts(left_padding: tuple[int, ...]) -> mx.array:
-    """ROWS-6 on READ-7's kernels: each batch row's first buffer row, int32 [B]; one array
-    per padding, shared by every layer and step that reads it (arrays are values)."""
-    return mx.array(left_padding, dtype=mx.int32)
 
 
 def written_rows(fields: Fields, start: int, parts: Fields) -> Fields:

@@ -3,7 +3,11 @@ over mx.array."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvspec.accelerated.caches.reads import ReadMethods
 from kvspec.accelerated.caches.storage import PlainFields
@@ -16,8 +20,19 @@ if TYPE_CHECKING:
 class RingStorage(ReadMethods, rotating.RingStorage):
     """RING-1 storage over mx.array."""
 
-    # ROWS-6: a ring's buffer rows are in ring order, not its positions.
-    padded_rows_from_their_start = False
+    rotates = True
+
+    def _live_positions(self) -> Callable[[], np.ndarray]:
+        """ROWS-6: the live rows' positions in ring order (`ring_positions`)."""
+        return partial(rotating.ring_positions, self.offset, self._index, self.length)
+
+    def _rotation(self, rows: int) -> tuple[int, int]:
+        """READ-7: once the ring wrapped (its buffer not in temporal order, RING-3), its
+        oldest row past the kept ones is the ring index's: turn = ring index - keep, modulo
+        the rows past keep (none when the write filled the last row)."""
+        if self._index == self.length or self._index >= self.offset:
+            return self.keep, 0
+        return self.keep, (self._index - self.keep) % (rows - self.keep)
 
 
 class RotatingKVCache(PlainFields, RingStorage, rotating.RotatingKVCache):

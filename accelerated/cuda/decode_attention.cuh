@@ -593,17 +593,51 @@ constexpr bool SAME_TYPE = false;
 template <typename A>
 constexpr bool SAME_TYPE<A, A> = true;
 
+// The order of a batch row's live rows where it is not the buffer's (ORDERED): `order`,
+// int32 [2 + B], holds keep, turn, then each batch row's hidden rows. The buffer's `rows`
+// rows hold positions of which the row reads the last rows - hidden (its padding hidden,
+// ROWS-6), oldest first: temporal row u (0 the oldest in the buffer) lies at buffer row u
+// below keep and at keep + (u - keep + turn) mod (rows - keep) from there on (a ring that
+// wrapped: its oldest row past the kept ones is buffer row keep + turn, READ-7). The pass
+// reads live row t, temporal row hidden + t, at row(t) from buffer row hidden.
+struct RowOrder {
+    int keep = 0;
+    int turn = 0;
+    int rows = 0;
+    int hidden = 0;
+
+    static __device__ __forceinline__ RowOrder of(const int* order, int b, int rows) {
+        return RowOrder{order[0], order[1], rows, order[2 + b]};
+    }
+    // Live row t's buffer row less hidden + t.
+    __device__ __forceinline__ int shift(int t) const {
+        const int u = hidden + t;
+        if (u < keep) return 0;
+        return u + turn < rows ? turn : turn - (rows - keep);
+    }
+    __device__ __forceinline__ int row(int t) const { return t + shift(t); }
+    // The end of the run of live rows from t on that share t's shift.
+    __device__ __forceinline__ int run_end(int t) const {
+        constexpr int NO_END = 0x7fffffff;
+        const int u = hidden + t;
+        if (turn == 0) return NO_END;
+        if (u < keep) return keep - hidden;
+        return u + turn < rows ? rows - turn - hidden : NO_END;
+    }
+};
+
 // Pass 1 (READ-7) of one block: split blockIdx.x of KV head blockIdx.y. Inputs: q
 // [B, Hq, 1, DK]; per side codes, scales, biases (a null pointer where a format has none:
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
 // row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields;
-// PADDED: each batch row's first buffer row starts[b] (ROWS-6). Output: one row a split of
-// each query head, [B * Hq, SPLITS, DV + 2]: the DV partial sums, then the split's maximum
-// and sum (one array, so that the merge takes one input).
+// ORDERED: the order of each batch row's live rows, `order` (RowOrder: ROWS-6's padding, a
+// ring's turn). Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV
+// partial sums, then the split's maximum and sum (one array, so that the merge takes one
+// input).
 // The softmax scale is a template constant (its float32 bits): one compile per model, no
 // per-step upload. Two bodies share the block's setup and its final merge of the warps: on
 // tensor cores (MMA: MMA over 8 positions at a time) and on CUDA cores (lanes over elements).
-template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC,
+template <bool MMA, bool COUNTED, bool SLOT, bool ORDERED, typename QT, typename KC,
           typename VC, typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE,
           int KFMT, int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE,
           int SCALE_BITS, bool SCALED, int MIN_SPLIT, int MOST_SPLITS, typename Shape,
@@ -614,7 +648,7 @@ __device__ __forceinline__ void partial_pass(
     const KS* k_scales, const Strides& k_scales_strides, const KS* k_biases,
     const VC* v_codes, const Strides& v_codes_strides,
     const VS* v_scales, const Strides& v_scales_strides, const VS* v_biases,
-    const float* table, const int* rows, const int* slot_row, const int* starts,
+    const float* table, const int* rows, const int* slot_row, const int* order,
     const KC* new_k_codes, const Strides& new_k_codes_strides,
     const KS* new_k_scales, const Strides& new_k_scales_strides, const KS* new_k_biases,
     const VC* new_v_codes, const Strides& new_v_codes_strides,
@@ -638,11 +672,12 @@ __device__ __forceinline__ void partial_pass(
     const int h = bh % kv_heads;
     // The counted variant (eager reads, the compiled step: COMPILE-4) reads the live row
     // count from `rows`.
-    // A padded batch (ROWS-6, PADDED): row b's positions start at buffer row starts[b], and
-    // the read is of its own rows alone, as the row's own cache would read them.
-    static_assert(!(PADDED && SLOT), "the compiled step's slot reads no padded rows");
-    const int first = PADDED ? starts[b] : 0;
+    // ORDERED: row b's live rows in their order (RowOrder): past its padding (ROWS-6), oldest
+    // first in a ring (READ-7), as the row's own cache holding its positions alone reads them.
+    static_assert(!(ORDERED && SLOT), "the compiled step's slot reads rows in buffer order");
     const int stored_rows = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
+    const RowOrder ordering = ORDERED ? RowOrder::of(order, b, stored_rows) : RowOrder{};
+    const int first = ordering.hidden;
     const int T = max(0, stored_rows - first);
     // The compiled step's slot variant (COMPILE-4): buffer row slot_row[0] comes from the new
     // position's fields. Read before the barrier below, with the count: issued after it, its
@@ -862,8 +897,13 @@ __device__ __forceinline__ void partial_pass(
         // rows start + 8 c + 2 col and the one after), as pointers that each load moves on by
         // the warp's stride of chunks: an add a field instead of a row's address computed anew.
         const long long chunk_rows = 8LL * WARPS;
-        const int first_key = start + 8 * warp + row;
-        const int first_value = start + 8 * warp + 2 * col;
+        // ORDERED: the pointers carry the shift of a run of rows (RowOrder), the run of the
+        // warp's next chunk; a chunk that leaves it loads row by row, and the pointers then
+        // take the run of the chunk after it.
+        int carried = ORDERED ? ordering.shift(start + 8 * warp) : 0;
+        int run_end = ORDERED ? ordering.run_end(start + 8 * warp) : 0;
+        const int first_key = start + 8 * warp + row + carried;
+        const int first_value = start + 8 * warp + 2 * col + carried;
         // Where a lane's part is whole (OWN_PART) the pointers carry it, and load_row reads
         // them as lane 0's.
         const int key_part = KeyRow::OWN_PART ? 0 : col;
@@ -897,32 +937,54 @@ __device__ __forceinline__ void partial_pass(
         // loads as the other variants do, for one warp-wide test a chunk.
         const int slot_chunk =
             SLOT && written >= start && written < end ? (written - start) / 8 : -1;
-        // A whole chunk (WHOLE_ROWS) loads every row without testing it against the end.
-        auto load_rows = [&](auto slot_rows, auto whole_rows, int c, KeyRow& key, ValueRow& v0,
-                             ValueRow& v1, RowGroups& g0, RowGroups& g1) {
+        // The lane's pointers moved on by `moved` rows.
+        auto move_pointers = [&](long long moved) {
+            if constexpr (GROUP_SCORES) {
+                score_scales += moved * k_scales_strides[2];
+                score_zeros += moved * k_scales_strides[2];
+            }
+            key_codes += moved * k_codes_strides[2];
+            if constexpr (KFMT != 0) {
+                key_scales += moved * k_scales_strides[2];
+                key_biases += moved * k_scales_strides[2];
+            }
+            value_codes += moved * v_codes_strides[2];
+            if constexpr (VFMT != 0) value_scales += moved * v_scales_strides[2];
+            if constexpr (VFMT == 1 || VFMT == 2) value_biases += moved * v_scales_strides[2];
+        };
+        // The lane's rows of a chunk (key row tk, value rows tv and tv + 1) from the pointers,
+        // each moved on by its own rows (ORDERED, where the chunk leaves the pointers' run;
+        // else none). A whole chunk (WHOLE_ROWS) loads every row without testing it against
+        // the end.
+        auto load_moved = [&](auto slot_rows, auto whole_rows, int tk, int tv, int key_moved,
+                              const int (&value_moved)[2], KeyRow& key, ValueRow& v0,
+                              ValueRow& v1, RowGroups& g0, RowGroups& g1) {
             constexpr bool SLOT_ROWS = decltype(slot_rows)::value;
             constexpr bool WHOLE_ROWS = decltype(whole_rows)::value;
-            const int tk = start + 8 * c + row;
-            const int tv = start + 8 * c + 2 * col;
             if (WHOLE_ROWS || tk < end) {
                 if (SLOT_ROWS && tk == written) {
                     load_key(key, tk, col);
                 } else {
-                    key.load_row(key_codes, key_scales, key_biases, key_part);
+                    const long long moved = key_moved;
+                    key.load_row(key_codes + moved * k_codes_strides[2],
+                                 KFMT == 0 ? nullptr : key_scales + moved * k_scales_strides[2],
+                                 KFMT == 0 ? nullptr : key_biases + moved * k_scales_strides[2],
+                                 key_part);
                 }
             }
             #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 ValueRow& value = i == 0 ? v0 : v1;
+                const long long moved = i + value_moved[i];
                 if (WHOLE_ROWS || tv + i < end) {
                     if (SLOT_ROWS && tv + i == written) {
                         load_value(value, tv + i, row);
                     } else {
                         value.load_row(
-                            value_codes + i * v_codes_strides[2],
-                            VFMT == 0 ? nullptr : value_scales + i * v_scales_strides[2],
+                            value_codes + moved * v_codes_strides[2],
+                            VFMT == 0 ? nullptr : value_scales + moved * v_scales_strides[2],
                             VFMT == 0 || VFMT == 3 ? nullptr
-                                                   : value_biases + i * v_scales_strides[2],
+                                                   : value_biases + moved * v_scales_strides[2],
                             value_part);
                     }
                 }
@@ -934,26 +996,38 @@ __device__ __forceinline__ void partial_pass(
                                 b * new_k_scales_strides[0] + h * new_k_scales_strides[1];
                             groups.load(new_k_scales + at, new_k_biases + at);
                         } else {
-                            groups.load(score_scales + i * k_scales_strides[2],
-                                        score_zeros + i * k_scales_strides[2]);
+                            groups.load(score_scales + moved * k_scales_strides[2],
+                                        score_zeros + moved * k_scales_strides[2]);
                         }
                     } else {
                         groups.clear();
                     }
                 }
             }
-            if constexpr (GROUP_SCORES) {
-                score_scales += chunk_rows * k_scales_strides[2];
-                score_zeros += chunk_rows * k_scales_strides[2];
+        };
+        auto load_rows = [&](auto slot_rows, auto whole_rows, int c, KeyRow& key, ValueRow& v0,
+                             ValueRow& v1, RowGroups& g0, RowGroups& g1) {
+            const int tk = start + 8 * c + row;
+            const int tv = start + 8 * c + 2 * col;
+            if constexpr (ORDERED) {
+                const int t0 = start + 8 * c;
+                if (t0 + 8 > run_end) {  // the same for the whole warp
+                    const int value_moved[2] = {ordering.shift(tv) - carried,
+                                                ordering.shift(tv + 1) - carried};
+                    load_moved(slot_rows, whole_rows, tk, tv, ordering.shift(tk) - carried,
+                               value_moved, key, v0, v1, g0, g1);
+                    // The pointers take the run of the warp's next chunk.
+                    const int next = t0 + (int)chunk_rows;
+                    const int shift = ordering.shift(next);
+                    move_pointers(chunk_rows + shift - carried);
+                    carried = shift;
+                    run_end = ordering.run_end(next);
+                    return;
+                }
             }
-            key_codes += chunk_rows * k_codes_strides[2];
-            if constexpr (KFMT != 0) {
-                key_scales += chunk_rows * k_scales_strides[2];
-                key_biases += chunk_rows * k_scales_strides[2];
-            }
-            value_codes += chunk_rows * v_codes_strides[2];
-            if constexpr (VFMT != 0) value_scales += chunk_rows * v_scales_strides[2];
-            if constexpr (VFMT == 1 || VFMT == 2) value_biases += chunk_rows * v_scales_strides[2];
+            constexpr int NOT_MOVED[2] = {0, 0};
+            load_moved(slot_rows, whole_rows, tk, tv, 0, NOT_MOVED, key, v0, v1, g0, g1);
+            move_pointers(chunk_rows);
         };
         auto load = [&](int c, KeyRow& key, ValueRow& v0, ValueRow& v1, RowGroups& g0,
                         RowGroups& g1) {
@@ -1207,8 +1281,9 @@ __device__ __forceinline__ void partial_pass(
         ValueRow next_values[STAGE];
         auto load = [&](int i, KeyRow& key, ValueRow& value) {
             const int t = first + i * WARPS;
-            load_key(key, t, lane);
-            load_value(value, t, lane);
+            const int at = ORDERED ? ordering.row(t) : t;
+            load_key(key, at, lane);
+            load_value(value, at, lane);
         };
         if (stages > 0) {
             #pragma unroll
@@ -1298,7 +1373,7 @@ __device__ __forceinline__ AxisStrides element_strides(const S& bytes) {
 // Pass 1 over keys and values stored in one record per row (accelerated/records.py): the
 // fields the formats store at byte offsets OFF_* of a row (-1: a field they do not store),
 // read where they lie; in the slot variant the new position's from its record row.
-template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename KC,
+template <bool MMA, bool COUNTED, bool SLOT, bool ORDERED, typename QT, typename KC,
           typename VC, typename KS, typename VS, int DK, int DV, int G, int WARPS, int STAGE,
           int KFMT, int KBITS, int KGROUP, int VFMT, int VBITS, int VGROUP, int TABLE,
           int SCALE_BITS, bool SCALED, int MIN_SPLIT, int MOST_SPLITS, int OFF_KC, int OFF_KS,
@@ -1306,7 +1381,7 @@ template <bool MMA, bool COUNTED, bool SLOT, bool PADDED, typename QT, typename 
 __device__ __forceinline__ void record_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const uint8_t* record, const Shape& record_shape, const Strides& record_strides,
-    const float* table, const int* rows, const int* slot_row, const int* starts,
+    const float* table, const int* rows, const int* slot_row, const int* order,
     const uint8_t* new_record, const Strides& new_record_strides, float* partial) {
     // One strides type for every argument of partial_pass: the queries' in elements too.
     const AxisStrides q = element_strides<1>(queries_strides);
@@ -1318,7 +1393,7 @@ __device__ __forceinline__ void record_pass(
     const AxisStrides new_ks = element_strides<sizeof(KS)>(new_record_strides);
     const AxisStrides new_vc = element_strides<sizeof(VC)>(new_record_strides);
     const AxisStrides new_vs = element_strides<sizeof(VS)>(new_record_strides);
-    partial_pass<MMA, COUNTED, SLOT, PADDED, QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT,
+    partial_pass<MMA, COUNTED, SLOT, ORDERED, QT, KC, VC, KS, VS, DK, DV, G, WARPS, STAGE, KFMT,
                  KBITS, KGROUP, VFMT, VBITS, VGROUP, TABLE, SCALE_BITS, SCALED, MIN_SPLIT,
                  MOST_SPLITS>(
         queries, queries_shape, q,
@@ -1326,7 +1401,7 @@ __device__ __forceinline__ void record_pass(
         record_field<KS>(record, OFF_KS), ks, record_field<KS>(record, OFF_KB),
         record_field<VC>(record, OFF_VC), vc,
         record_field<VS>(record, OFF_VS), vs, record_field<VS>(record, OFF_VB),
-        table, rows, slot_row, starts,
+        table, rows, slot_row, order,
         record_field<KC>(new_record, OFF_KC), new_kc,
         record_field<KS>(new_record, OFF_KS), new_ks, record_field<KS>(new_record, OFF_KB),
         record_field<VC>(new_record, OFF_VC), new_vc,
