@@ -72,6 +72,7 @@ COMPILED = "conformance/test_compiled_step.py"
 SCALED_READS = f"{DECODE}::test_decode_read_of_stored_fields_is_within_bound[default-4-affine-4-64]"
 #: The same tests with the kernels emulated on the CPU (conformance/test_kernels_emulated.py).
 EMULATED = "conformance/test_kernels_emulated.py"
+ROW_ORDER = "conformance/test_row_order.py"
 EMULATED_FAR_ZERO = f"{EMULATED}::test_turboquant_far_zero_reads_are_within_bound"
 EMULATED_SCALED_READS = (
     f"{EMULATED}::test_reads_of_stored_fields_are_within_bound[default-affine-4-64]"
@@ -937,8 +938,8 @@ CATALOGUE = (
         "a wrapped ring is read in buffer order, not oldest first: its reads follow the turn "
         "of its buffer, and a padded ring's rows hide the wrong positions (READ-7, ROWS-6)",
         (
+            f"{ROW_ORDER}::test_the_kernels_read_each_rows_positions_oldest_first",
             f"{EMULATED}::test_a_ring_reads_oldest_first[affine-ring-6-64-keep-0]",
-            f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[ring-40]",
         ),
     ),
     Mutant(
@@ -948,7 +949,10 @@ CATALOGUE = (
         "        oldest = 0\n",
         "a padded ring that wrapped hides each row's padding as if its oldest row held "
         "position 0 (ROWS-6)",
-        (f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[affine-ring-6-64]",),
+        (
+            f"{ROW_ORDER}::test_the_kernels_read_each_rows_positions_oldest_first",
+            f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[affine-ring-6-64]",
+        ),
     ),
     Mutant(
         "cuda-rotated-merge-barrier-missing",

@@ -27,10 +27,10 @@ class RingStorage(ReadMethods, rotating.RingStorage):
         return partial(rotating.ring_positions, self.offset, self._index, self.length)
 
     def _rotation(self, rows: int) -> tuple[int, int]:
-        """READ-7: once the ring wrapped (its buffer not in temporal order, RING-3), its
-        oldest row past the kept ones is the ring index's: turn = ring index - keep, modulo
-        the rows past keep (none when the write filled the last row)."""
-        if self._index == self.length or self._index >= self.offset:
+        """READ-7: once the ring wrapped (ring index < offset, RING-1), its oldest row past
+        the kept ones is the ring index's: turn = ring index - keep, modulo the rows past
+        keep (0 where the last write filled the last row)."""
+        if self._index >= self.offset:
             return self.keep, 0
         return self.keep, (self._index - self.keep) % (rows - self.keep)
 
