@@ -76,6 +76,8 @@ KIND_FACTORIES: dict[str, Callable[[Any, int], caches.Cache]] = {
         c.parse_scheme("turbo:k8v4"), 0, checks="deferred"
     ),
 }
+#: The ring kinds: their factory's T is the ring's max_size.
+RING_KINDS = ("RotatingKVCache", "RotatingQuantizedKVCache 4-bit g64")
 #: The kinds the performance issue's targets name: the tools that time or build a few kinds
 #: take these without --kinds.
 TARGET_KINDS = (

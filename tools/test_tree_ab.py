@@ -37,6 +37,22 @@ def test_quick_run_times_both_versions_with_equal_outputs(head: Path, tmp_path: 
         assert row["max_diff"] == 0  # the same code, caches filled alike
 
 
+def test_rings_of_a_window_wrap_in_both_versions(head: Path, tmp_path: Path) -> None:
+    """--ring-window: rings hold that many positions (here 16 of a context of 64, so every
+    step reads a wrapped ring) in both versions, their outputs alike."""
+    out = tmp_path / "rows.json"
+    argv = ["run", str(head), "--quick", "--kinds", "Rotating", "KVCache", "--ring-window"]
+    assert tree_ab.main([*argv, "16", "--steps", "eager", "compiled", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    windows = {row["kind"]: row["ring_window"] for row in rows}
+    assert windows == {
+        "KVCache": None,
+        "RotatingKVCache": 16,
+        "RotatingQuantizedKVCache 4-bit g64": 16,
+    }
+    assert all(row["max_diff"] == 0 for row in rows)
+
+
 def test_what_cannot_be_prepared_or_run_is_refused(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         tree_ab.main(["prepare", "no-such-revision", str(tmp_path)])

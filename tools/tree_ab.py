@@ -11,6 +11,7 @@ carried to the GPU machine with the tree:
 
     python tools/tree_ab.py prepare main .device/trees      # .device/trees/kvspec_main
     python tools/tree_ab.py run .device/trees/kvspec_main --contexts 4096 32768 --kinds Turbo
+    python tools/tree_ab.py run DIR --contexts 8192 --ring-window 4096 --kinds Rotating
     python tools/tree_ab.py run DIR --quick                  # CPU smoke run
 """
 
@@ -32,6 +33,7 @@ from bench import (
     AB_KINDS,
     HEAD_DIM,
     KIND_FACTORIES,
+    RING_KINDS,
     add_kinds_option,
     at_least_one,
     chained_layer,
@@ -93,11 +95,15 @@ def step_run(
     context: int,
     layers: int,
     inputs: tuple[mx.array, mx.array, mx.array],
+    ring_window: int | None = None,
 ) -> Callable[[], list[mx.array]]:
     """One version's step over `layers` caches of `kind` filled with `inputs[0]` as keys and
-    values, each step appending `inputs[1]` and attending with `inputs[2]`."""
+    values, each step appending `inputs[1]` and attending with `inputs[2]`; a ring holds
+    `ring_window` positions where given (it wraps once the context passes them), else room
+    for every position."""
     prefill, new, queries = inputs
-    layer_caches = [KIND_FACTORIES[kind](caches, context + 64) for _ in range(layers)]
+    room = ring_window if ring_window and kind in RING_KINDS else context + 64
+    layer_caches = [KIND_FACTORIES[kind](caches, room) for _ in range(layers)]
     for cache in layer_caches:
         cache.append_window(prefill, prefill)
     mx.eval([cache.state().arrays for cache in layer_caches])
@@ -114,6 +120,7 @@ def rows(
     context: int,
     layers: int,
     turns: int,
+    ring_window: int | None = None,
 ) -> list[dict]:
     """Each version's step at one context, taking turns: µs per layer (median and fastest)
     and the outputs' largest difference from the first version's after as many steps."""
@@ -123,7 +130,7 @@ def rows(
         mx.random.normal((1, 32, 1, HEAD_DIM)).astype(mx.bfloat16),
     )
     runs = [
-        step_run(step, caches, compiled, kind, context, layers, inputs)
+        step_run(step, caches, compiled, kind, context, layers, inputs, ring_window)
         for _, caches, compiled in versions
     ]
     measured = samples(runs, turns)
@@ -133,6 +140,7 @@ def rows(
             "step": step,
             "kind": kind,
             "context": context,
+            "ring_window": ring_window if kind in RING_KINDS else None,
             "version": name,
             "us": median(sample.times) / layers * 1e6,
             "fastest_us": min(sample.times) / layers * 1e6,
@@ -154,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     run.add_argument("--contexts", type=at_least_one, nargs="+", default=[4096, 32768])
     add_kinds_option(run, AB_KINDS)
+    run.add_argument(
+        "--ring-window",
+        type=at_least_one,
+        help="rings hold this many positions, and wrap once the context passes them "
+        "(default: room for every position)",
+    )
     run.add_argument("--layers", type=at_least_one, default=32)
     run.add_argument("--turns", type=at_least_one, default=21)
     run.add_argument("--json", help="write the rows to this file")
@@ -177,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for step in args.steps:
         for context in args.contexts:
             for kind in kinds:
-                measured = rows(versions, step, kind, context, args.layers, args.turns)
+                measured = rows(
+                    versions, step, kind, context, args.layers, args.turns, args.ring_window
+                )
                 for row in measured:
                     print(
                         f"{row['step']:8}  {row['context']:7d}  {row['kind']:30s}  "
