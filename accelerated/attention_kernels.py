@@ -151,7 +151,7 @@ def _pass_inputs(
             "record",
             *(["rows"] if counted else []),
             *(["slot_row", "new_record"] if slot else []),
-            *(["order"] if ordered else []),
+            *(["order", "turn", "oldest"] if ordered else []),
         ]
     key_scales, key_biases = _GROUP_FIELDS[key_fmt]
     value_scales, value_biases = _GROUP_FIELDS[value_fmt]
@@ -170,7 +170,7 @@ def _pass_inputs(
         *side("", "v"),
         *(["rows"] if counted else []),
         *(["slot_row", *side("new_", "k"), *side("new_", "v")] if slot else []),
-        *(["order"] if ordered else []),
+        *(["order", "turn", "oldest"] if ordered else []),
     ]
 
 
@@ -213,13 +213,15 @@ def _partial_call(
     def pointer(name: str) -> str:
         return name if name in inputs else "nullptr"
 
+    # The counted, slot and ordered variants' own inputs, in partial_pass's order.
+    counts = ", ".join(pointer(name) for name in ("rows", "slot_row", "order", "turn", "oldest"))
+
     if offsets is not None:
         return (
             f"kvspec_attn::record_pass<{flags}, {_PARTIAL_CONSTANTS}, "
             f"{', '.join(str(offset) for offset in offsets)}>("
             "queries, queries_shape, queries_strides, record, record_shape, record_strides, "
-            f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('order')}, "
-            f"{pointer('new_record')}, "
+            f"{table}, {counts}, {pointer('new_record')}, "
             f"{'new_record_strides' if 'new_record' in inputs else 'record_strides'}, "
             "partial);"
         )
@@ -245,8 +247,7 @@ def _partial_call(
     return (
         f"kvspec_attn::partial_pass<{flags}, {_PARTIAL_CONSTANTS}>("
         f"queries, queries_shape, queries_strides, {side('k', shape=True)}, {side('v')}, "
-        f"{table}, {pointer('rows')}, {pointer('slot_row')}, {pointer('order')}, "
-        f"{side('new_k')}, "
+        f"{table}, {counts}, {side('new_k')}, "
         f"{side('new_v')}, partial);"
     )
 
@@ -266,7 +267,7 @@ def _partial_kernel(
     # body) and variant. The counted variant takes one more input, `rows` (int32 [1]): the
     # live row count of an eager read or of the compiled step (COMPILE-4); the slot variant
     # the write slot's row (int32 [1]) and the new position's fields; the ordered one the
-    # order of each batch row's live rows, `order` (int32 [2 + B]: ROWS-6, READ-7); the
+    # order of each batch row's live rows (RowsOrder: ROWS-6, READ-7); the
     # plain one none. Each takes only the fields its formats store, or with `offsets`
     # (RecordFormat) the record that holds them, whose offsets are in the source and so in
     # the kernel's name (MLX keeps one build per name).
@@ -541,7 +542,7 @@ def decode_attention(
     rows: mx.array | None = None,
     tensor_cores: bool | None = None,
     slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None = None,
-    order: mx.array | None = None,
+    order: RowsOrder | None = None,
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row of `stored`
     (the sides, the read covering the first T rows of the key codes; or a record, its T
@@ -552,9 +553,9 @@ def decode_attention(
     nothing. `tensor_cores` picks the pass-1 body (None: tensor cores wherever
     `tensor_core_fit`). `slot` = (row, new), the compiled step's write slot (COMPILE-4):
     buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
-    record row) instead of the buffers. `order` (`row_order`): the order of
-    each batch row's live rows where it is not the buffer's, a padded batch's (ROWS-6) or a
-    ring's (READ-7). Call only when `supported`."""
+    record row) instead of the buffers. `order`: the order of each batch row's live rows
+    where it is not the buffer's, a padded batch's (ROWS-6) or a ring's (READ-7). Call only
+    when `supported`."""
     formats = stored_formats(stored)
     counted, slotted, ordered = rows is not None, slot is not None, order is not None
     launch = _read_launch(
@@ -571,14 +572,34 @@ def decode_attention(
     return launch(queries, stored, rows, slot, order)
 
 
-@lru_cache(maxsize=256)
-def row_order(keep: int, turn: int, hidden: tuple[int, ...]) -> mx.array:
-    """The ordered variant's `order` (int32 [2 + B]; decode_attention.cuh's RowOrder): batch
-    row b reads the live rows of its buffer past its `hidden[b]` oldest, oldest first,
-    temporal row u lying at buffer row u below `keep` and at keep + (u - keep + turn) mod
-    (rows - keep) from there on. One array per order, shared by every layer that reads it
-    (arrays are values)."""
-    return mx.array([keep, turn, *hidden], dtype=mx.int32)
+class RowsOrder(NamedTuple):
+    """The ordered variant's inputs (decode_attention.cuh's RowOrder): of a buffer whose live
+    rows hold positions oldest, oldest + 1, ..., batch row b reads those from its left
+    padding on, oldest first, temporal row u (0 the oldest) lying at buffer row u below
+    keep and at keep + (u - keep + turn) mod (rows - keep) from there on."""
+
+    #: keep, then each batch row's left padding (`padding_order`).
+    order: mx.array
+    #: int32 [1] each, in device memory (caches.counting).
+    turn: mx.array
+    oldest: mx.array
+
+
+#: The fewest values an `order` array holds: MLX keeps an array of 8 bytes or less in host
+#: memory, which each block of a read would read across the bus (caches.counting).
+_LEAST_ORDER = 4
+
+
+@lru_cache(maxsize=64)
+def padding_order(keep: int, left_padding: tuple[int, ...]) -> mx.array:
+    """RowsOrder's `order`: int32 [max(4, 1 + B)], keep then each row's left padding (zeros
+    after). One array per storage configuration, shared by every layer and step that reads
+    it (arrays are values), moved to the device at its first read and kept there."""
+    values = [keep, *left_padding]
+    values += [0] * (_LEAST_ORDER - len(values))
+    order = mx.array(values, dtype=mx.int32)
+    mx.async_eval(order)
+    return order
 
 
 #: A read's batch, KV heads, rows, key and value formats and record offsets (or None).
@@ -648,7 +669,7 @@ class ReadLaunch(NamedTuple):
         stored: Stored,
         rows: mx.array | None,
         slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None,
-        order: mx.array | None = None,
+        order: RowsOrder | None = None,
     ) -> mx.array:
         """The read's output [B, Hq, 1, Dv] (`decode_attention`'s arguments)."""
         if isinstance(stored, StoredRecord):
@@ -663,7 +684,7 @@ class ReadLaunch(NamedTuple):
             inputs.append(rows)
         inputs += slot_inputs
         if order is not None:
-            inputs.append(order)
+            inputs += order
         (partial,) = self.partial(inputs=inputs, **self.partial_options)
         (out,) = self.merge(inputs=[partial], **self.merge_options)
         return out

@@ -1,5 +1,6 @@
 """The order in which READ-7's kernels read an MLX storage's live rows (`_row_order`: the
-ordered variant's `order`, keep, turn and each batch row's hidden rows), held against the
+ordered variant's inputs, keep and each batch row's padding, the turn and the oldest
+position), held against the
 positions the buffer rows hold, written into the keys themselves: mapped as
 decode_attention.cuh's RowOrder maps them (`kernel_rows`), the rows a batch row reads hold
 its own positions (ROWS-6), each once, oldest first, after any sequence of window appends,
@@ -16,14 +17,17 @@ from hypothesis import strategies as st
 from kvspec.conformance.backend import Backend
 
 
-def kernel_rows(order: list[int] | None, rows: int, b: int) -> list[int]:
+def kernel_rows(order: object, rows: int, b: int) -> list[int]:
     """The buffer rows the kernels read for batch row b of `rows` live rows, in the order
-    they read them: with `order` = [keep, turn, hidden...], live row t is temporal row
-    u = hidden + t, at buffer row u below keep and at keep + (u - keep + turn) mod
-    (rows - keep) from there on; without one, buffer rows 0 .. rows - 1."""
+    they read them: with an order (`attention_kernels.RowsOrder`), hidden = min(rows,
+    max(0, padding - oldest)) and live row t is temporal row u = hidden + t, at buffer
+    row u below keep and at keep + (u - keep + turn) mod (rows - keep) from there on;
+    without one, buffer rows 0 .. rows - 1."""
     if order is None:
         return list(range(rows))
-    keep, turn, hidden = order[0], order[1], order[2 + b]
+    keep, padding = int(order.order[0].item()), int(order.order[1 + b].item())
+    turn, oldest = int(order.turn.item()), int(order.oldest.item())
+    hidden = min(rows, max(0, padding - oldest))
     read = []
     for t in range(rows - hidden):
         u = hidden + t
@@ -84,8 +88,7 @@ def test_the_kernels_read_each_rows_positions_oldest_first(
             live = cache._live_rows()
             held = np.array(cache._fields[0][0, 0, :live, 0]).astype(int)
             order = cache._row_order(live)
-            order = None if order is None else np.array(order).tolist()
             for b, pad in enumerate(padding):
                 read = kernel_rows(order, live, b)
                 own = np.sort(held[held >= pad])
-                assert held[read].tolist() == own.tolist(), (order, held.tolist(), b)
+                assert held[read].tolist() == own.tolist(), (held.tolist(), b)

@@ -193,6 +193,34 @@ def test_an_eager_step_hands_mlx_one_live_row_count_for_all_layers(backend: Back
     assert reads[0].rows.tolist() == [6]
 
 
+def test_an_eager_step_hands_wrapped_rings_their_order_made_once(
+    backend: Backend, cuda_path
+) -> None:
+    """READ-7, ROWS-6 on MLX: the decode reads of padded rings that wrapped, at one offset,
+    give the kernels the same order for every layer: one array of keep and the padding
+    (at least 16 bytes: MLX keeps smaller ones in host memory), made once for the storage's
+    configuration, and the turn and oldest position as views of the device's counting
+    table (caches.counting). No step makes an array from host data."""
+    import mlx.core as mx
+
+    from kvspec.accelerated.caches.counting import COUNTS
+
+    layers = [backend.module("caches").RotatingKVCache(8) for _ in range(3)]
+    kv = mx.zeros((2, 2, 10, 64), mx.bfloat16)
+    one = mx.zeros((2, 2, 1, 64), mx.bfloat16)
+    for cache in layers:
+        cache.prepare(left_padding=[0, 9])
+        cache.append_window(kv, kv)
+    for step in range(2):
+        reads = [cache.append_decode(one, one) for cache in layers]
+        orders = [read.order for read in reads]
+        assert all(order.order is orders[0].order for order in orders)
+        assert orders[0].order.tolist() == [0, 0, 9, 0]
+        # The ring holds positions 3 + step .. 10 + step, its oldest at buffer row 1 + step.
+        assert all(order.turn is COUNTS.single(1 + step) for order in orders)
+        assert all(order.oldest is COUNTS.single(3 + step) for order in orders)
+
+
 @pytest.mark.parametrize(
     ("kind", "k_shape", "v_shape", "v_dtype"),
     [

@@ -943,6 +943,15 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "cuda-ordered-rows-hide-their-whole-padding",
+        "accelerated/cuda/decode_attention.cuh",
+        "        const int hidden = min(rows, max(0, order[1 + b] - oldest[0]));\n",
+        "        const int hidden = min(rows, max(0, order[1 + b]));\n",
+        "a padded ring that wrapped hides as many rows as its padding, not the padding's "
+        "positions it still holds (ROWS-6)",
+        (f"{EMULATED}::test_rows_of_a_padded_batch_read_as_alone[ring-40]",),
+    ),
+    Mutant(
         "mlx-padded-ring-hides-from-position-0",
         "accelerated/caches/reads.py",
         "        oldest = self.offset - rows\n",

@@ -111,9 +111,9 @@ class StoredRead:
     rows: mx.array | None = None
     #: The compiled step's new position, held apart from the buffers (COMPILE-4).
     slot: WriteSlot | None = None
-    #: The order of each batch row's live rows (`attention_kernels.row_order`: ROWS-6's
-    #: padding, a ring's rotation). None: the buffer's order, every row live.
-    order: mx.array | None = None
+    #: The order of each batch row's live rows (ROWS-6's padding, a ring's turn). None: the
+    #: buffer's order, every row live.
+    order: attention_kernels.RowsOrder | None = None
 
     def attend(self, queries: mx.array, scale: float, tensor_cores: bool | None = None) -> mx.array:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows. On the kernels'
@@ -294,19 +294,22 @@ class ReadMethods(reads.ReadMethods):
         on. Growable storage: every row in temporal order."""
         return 0, 0
 
-    def _row_order(self, rows: int) -> mx.array | None:
+    def _row_order(self, rows: int) -> attention_kernels.RowsOrder | None:
         """ROWS-6, READ-7: the order in which the kernels read each batch row's live rows,
-        oldest first from its first position on (`attention_kernels.row_order`); None where
-        that is the buffer's order from row 0. The last `rows` positions are live; row b's
-        first left_padding[b] positions are hidden."""
+        oldest first from its first position on; None where that is the buffer's order
+        from row 0. The last `rows` positions are live, the oldest of them at
+        offset - rows; row b's first left_padding[b] positions are hidden. The turn and
+        the oldest position are counts in device memory, the padding one array per
+        storage configuration: a decode loop makes no array from host data."""
         keep, turn = self._rotation(rows)
         oldest = self.offset - rows
-        hidden = tuple(min(rows, max(0, pad - oldest)) for pad in self._left_padding)
-        if turn == 0 and not any(hidden):
+        padding = self._left_padding
+        if turn == 0 and all(pad <= oldest for pad in padding):
             return None
         layout = self._layout
         assert layout is not None
-        return attention_kernels.row_order(keep, turn, hidden or (0,) * layout.batch)
+        order = attention_kernels.padding_order(keep, padding or (0,) * layout.batch)
+        return attention_kernels.RowsOrder(order, COUNTS.single(turn), COUNTS.single(oldest))
 
     #: The launches of this storage's last read configuration (`_launches`).
     _read_launches: ReadLaunches | None = None

@@ -593,21 +593,25 @@ constexpr bool SAME_TYPE = false;
 template <typename A>
 constexpr bool SAME_TYPE<A, A> = true;
 
-// The order of a batch row's live rows where it is not the buffer's (ORDERED): `order`,
-// int32 [2 + B], holds keep, turn, then each batch row's hidden rows. The buffer's `rows`
-// rows hold positions of which the row reads the last rows - hidden (its padding hidden,
-// ROWS-6), oldest first: temporal row u (0 the oldest in the buffer) lies at buffer row u
-// below keep and at keep + (u - keep + turn) mod (rows - keep) from there on (a ring that
-// wrapped: its oldest row past the kept ones is buffer row keep + turn, READ-7). The pass
-// reads live row t, temporal row hidden + t, at row(t) from buffer row hidden.
+// The order of a batch row's live rows where it is not the buffer's (ORDERED): `order`
+// holds keep, then each batch row's left padding; `turn` and `oldest` (int32 [1] each) the
+// ring's turn and its oldest position in the buffer. The buffer's `rows` rows hold
+// positions oldest .. oldest + rows - 1, of which batch row b reads those from its padding
+// on, the last rows - hidden (hidden = min(rows, max(0, padding - oldest)), ROWS-6), oldest
+// first: temporal row u (0 the oldest in the buffer) lies at buffer row u below keep and at
+// keep + (u - keep + turn) mod (rows - keep) from there on (a ring that wrapped: its oldest
+// row past the kept ones is buffer row keep + turn, READ-7). The pass reads live row t,
+// temporal row hidden + t, at row(t) from buffer row hidden.
 struct RowOrder {
     int keep = 0;
     int turn = 0;
     int rows = 0;
     int hidden = 0;
 
-    static __device__ __forceinline__ RowOrder of(const int* order, int b, int rows) {
-        return RowOrder{order[0], order[1], rows, order[2 + b]};
+    static __device__ __forceinline__ RowOrder of(const int* order, const int* turn,
+                                                  const int* oldest, int b, int rows) {
+        const int hidden = min(rows, max(0, order[1 + b] - oldest[0]));
+        return RowOrder{order[0], turn[0], rows, hidden};
     }
     // Live row t's buffer row less hidden + t.
     __device__ __forceinline__ int shift(int t) const {
@@ -630,8 +634,8 @@ struct RowOrder {
 // [B, Hq, 1, DK]; per side codes, scales, biases (a null pointer where a format has none:
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
 // row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields;
-// ORDERED: the order of each batch row's live rows, `order` (RowOrder: ROWS-6's padding, a
-// ring's turn). Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV
+// ORDERED: the order of each batch row's live rows, `order`, `turn` and `oldest` (RowOrder:
+// ROWS-6's padding, a ring's turn). Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV
 // partial sums, then the split's maximum and sum (one array, so that the merge takes one
 // input).
 // The softmax scale is a template constant (its float32 bits): one compile per model, no
@@ -649,6 +653,7 @@ __device__ __forceinline__ void partial_pass(
     const VC* v_codes, const Strides& v_codes_strides,
     const VS* v_scales, const Strides& v_scales_strides, const VS* v_biases,
     const float* table, const int* rows, const int* slot_row, const int* order,
+    const int* turn, const int* oldest,
     const KC* new_k_codes, const Strides& new_k_codes_strides,
     const KS* new_k_scales, const Strides& new_k_scales_strides, const KS* new_k_biases,
     const VC* new_v_codes, const Strides& new_v_codes_strides,
@@ -676,7 +681,8 @@ __device__ __forceinline__ void partial_pass(
     // first in a ring (READ-7), as the row's own cache holding its positions alone reads them.
     static_assert(!(ORDERED && SLOT), "the compiled step's slot reads rows in buffer order");
     const int stored_rows = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
-    const RowOrder ordering = ORDERED ? RowOrder::of(order, b, stored_rows) : RowOrder{};
+    const RowOrder ordering =
+        ORDERED ? RowOrder::of(order, turn, oldest, b, stored_rows) : RowOrder{};
     const int first = ordering.hidden;
     const int T = max(0, stored_rows - first);
     // The compiled step's slot variant (COMPILE-4): buffer row slot_row[0] comes from the new
@@ -1382,6 +1388,7 @@ __device__ __forceinline__ void record_pass(
     const QT* queries, const Shape& queries_shape, const Strides& queries_strides,
     const uint8_t* record, const Shape& record_shape, const Strides& record_strides,
     const float* table, const int* rows, const int* slot_row, const int* order,
+    const int* turn, const int* oldest,
     const uint8_t* new_record, const Strides& new_record_strides, float* partial) {
     // One strides type for every argument of partial_pass: the queries' in elements too.
     const AxisStrides q = element_strides<1>(queries_strides);
@@ -1401,7 +1408,7 @@ __device__ __forceinline__ void record_pass(
         record_field<KS>(record, OFF_KS), ks, record_field<KS>(record, OFF_KB),
         record_field<VC>(record, OFF_VC), vc,
         record_field<VS>(record, OFF_VS), vs, record_field<VS>(record, OFF_VB),
-        table, rows, slot_row, order,
+        table, rows, slot_row, order, turn, oldest,
         record_field<KC>(new_record, OFF_KC), new_kc,
         record_field<KS>(new_record, OFF_KS), new_ks, record_field<KS>(new_record, OFF_KB),
         record_field<VC>(new_record, OFF_VC), new_vc,
