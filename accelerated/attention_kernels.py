@@ -594,12 +594,11 @@ _LEAST_ORDER = 4
 def padding_order(keep: int, left_padding: tuple[int, ...]) -> mx.array:
     """RowsOrder's `order`: int32 [max(4, 1 + B)], keep then each row's left padding (zeros
     after). One array per storage configuration, shared by every layer and step that reads
-    it (arrays are values), moved to the device at its first read and kept there."""
+    it (arrays are values): managed memory, which moves to the device at its first read
+    there and stays."""
     values = [keep, *left_padding]
     values += [0] * (_LEAST_ORDER - len(values))
-    order = mx.array(values, dtype=mx.int32)
-    mx.async_eval(order)
-    return order
+    return mx.array(values, dtype=mx.int32)
 
 
 #: A read's batch, KV heads, rows, key and value formats and record offsets (or None).

@@ -635,9 +635,9 @@ struct RowOrder {
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
 // row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields;
 // ORDERED: the order of each batch row's live rows, `order`, `turn` and `oldest` (RowOrder:
-// ROWS-6's padding, a ring's turn). Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV
-// partial sums, then the split's maximum and sum (one array, so that the merge takes one
-// input).
+// ROWS-6's padding, a ring's turn). Output: one row a split of each query head,
+// [B * Hq, SPLITS, DV + 2]: the DV partial sums, then the split's maximum and sum (one
+// array, so that the merge takes one input).
 // The softmax scale is a template constant (its float32 bits): one compile per model, no
 // per-step upload. Two bodies share the block's setup and its final merge of the warps: on
 // tensor cores (MMA: MMA over 8 positions at a time) and on CUDA cores (lanes over elements).
