@@ -144,14 +144,16 @@ def _pass_inputs(
     """The inputs of a pass-1 kernel: the fields the two formats store (none stands in for
     a field a format does not have) or the record that holds them all, the compiled step's
     row count and write slot, and the order of each batch row's rows, where the variant
-    takes them. (TurboQuant's codebook is in the kernel's header.)"""
+    takes them (with a slot, `order` alone: RowOrder::after_write). (TurboQuant's codebook
+    is in the kernel's header.)"""
+    order = ["order"] if slot else ["order", "turn", "oldest"]
     if record:
         return [
             "queries",
             "record",
             *(["rows"] if counted else []),
             *(["slot_row", "new_record"] if slot else []),
-            *(["order", "turn", "oldest"] if ordered else []),
+            *(order if ordered else []),
         ]
     key_scales, key_biases = _GROUP_FIELDS[key_fmt]
     value_scales, value_biases = _GROUP_FIELDS[value_fmt]
@@ -170,7 +172,7 @@ def _pass_inputs(
         *side("", "v"),
         *(["rows"] if counted else []),
         *(["slot_row", *side("new_", "k"), *side("new_", "v")] if slot else []),
-        *(["order", "turn", "oldest"] if ordered else []),
+        *(order if ordered else []),
     ]
 
 
@@ -542,7 +544,7 @@ def decode_attention(
     rows: mx.array | None = None,
     tensor_cores: bool | None = None,
     slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None = None,
-    order: RowsOrder | None = None,
+    order: RowsOrder | mx.array | None = None,
 ) -> mx.array:
     """READ-7: the attention of queries [B, Hq, 1, Dk] over every stored row of `stored`
     (the sides, the read covering the first T rows of the key codes; or a record, its T
@@ -554,8 +556,9 @@ def decode_attention(
     `tensor_core_fit`). `slot` = (row, new), the compiled step's write slot (COMPILE-4):
     buffer row row[0] (int32 [1]) is read from the new position (its one-row sides, or its
     record row) instead of the buffers. `order`: the order of each batch row's live rows
-    where it is not the buffer's, a padded batch's (ROWS-6) or a ring's (READ-7). Call only
-    when `supported`."""
+    where it is not the buffer's, a padded batch's (ROWS-6) or a ring's (READ-7); with a
+    slot, a ring's `padding_order` alone, whose turn follows from the write row, the newest
+    position (the compiled step has no padding). Call only when `supported`."""
     formats = stored_formats(stored)
     counted, slotted, ordered = rows is not None, slot is not None, order is not None
     launch = _read_launch(
@@ -668,7 +671,7 @@ class ReadLaunch(NamedTuple):
         stored: Stored,
         rows: mx.array | None,
         slot: tuple[mx.array, tuple[StoredSide, StoredSide] | mx.array] | None,
-        order: RowsOrder | None = None,
+        order: RowsOrder | mx.array | None = None,
     ) -> mx.array:
         """The read's output [B, Hq, 1, Dv] (`decode_attention`'s arguments)."""
         if isinstance(stored, StoredRecord):
@@ -682,7 +685,9 @@ class ReadLaunch(NamedTuple):
         if rows is not None:
             inputs.append(rows)
         inputs += slot_inputs
-        if order is not None:
+        if isinstance(order, mx.array):
+            inputs.append(order)
+        elif order is not None:
             inputs += order
         (partial,) = self.partial(inputs=inputs, **self.partial_options)
         (out,) = self.merge(inputs=[partial], **self.merge_options)

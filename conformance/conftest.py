@@ -52,19 +52,15 @@ def emulated_cuda() -> Iterator[bool]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under emulated kernels, what needs a lazy kernel skips: the compiled step's tests (a
-    function being compiled has no values to hand a kernel run on the CPU) and those
-    marked lazy_graph (an emulated kernel evaluates its inputs as it is called); so do
-    those marked device_detection."""
+    """Under emulated kernels, what needs a lazy kernel skips: tests marked lazy_graph (an
+    emulated kernel evaluates its inputs as it is called); so do those marked
+    device_detection."""
     if os.environ.get(EMULATED_CUDA_ENV) != "1":
         return
-    compiled = pytest.mark.skip(reason="emulated kernels cannot run inside mx.compile")
     graph = pytest.mark.skip(reason="an emulated kernel evaluates its inputs when called")
     detection = pytest.mark.skip(reason="the emulated kernels replace the device's detection")
     for item in items:
-        if item.path.name == "test_compiled_step.py":
-            item.add_marker(compiled)
-        elif item.get_closest_marker("lazy_graph"):
+        if item.get_closest_marker("lazy_graph"):
             item.add_marker(graph)
         elif item.get_closest_marker("device_detection"):
             item.add_marker(detection)

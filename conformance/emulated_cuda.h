@@ -37,6 +37,9 @@
 #define __restrict__ __restrict
 #define __grid_constant__
 #define __launch_bounds__(...)
+// The slot variant's header redefines __global__ with CUDA's own spelling of it
+// (attention_kernels._slot_bounds).
+#define __location__(...)
 #define __align__(n) alignas(n)
 
 struct uint3 {

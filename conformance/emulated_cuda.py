@@ -23,7 +23,10 @@ What it holds and what it cannot:
   to it with every stride but the last one's padded, and outputs start as NaN bytes, so
   that a kernel reading a row at the wrong stride, or an output it did not write, reads
   garbage;
-- an evaluation inside `mx.compile` cannot run one: the launch needs its inputs' values.
+- an evaluation inside `mx.compile` cannot run one (the launch needs its inputs' values), so
+  a compiled decode step (COMPILE-6) runs its traced graph as traced, uncompiled: its
+  kernels (the slot variant among them) and ops are the compiled graph's, but what
+  `mx.compile` does to a graph (its replays, fused MLX ops) is held on a GPU alone.
 
 Each kernel is built once per source (cached in KVSPEC_EMULATED_CUDA_CACHE, by default
 ~/.cache/kvspec/emulated-cuda) with g++ (or $CXX), about half a second each. The cache
@@ -44,12 +47,15 @@ from contextlib import contextmanager
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
 
+from kvspec.accelerated.caches import compiled
 from kvspec.accelerated.cuda_source import CUDA_DIR
 from kvspec.conformance.stand_ins import KernelCall, cuda_patches
+from kvspec.reference.caches import compiled as reference_compiled
 
 #: The CUDA a kernel uses, for the host.
 HEADER = Path(__file__).resolve().with_name("emulated_cuda.h")
@@ -434,8 +440,12 @@ def emulated_kernel(
 
 @contextmanager
 def emulated_cuda_path(reversed_order: bool = False) -> Iterator[None]:
-    """The CUDA path, its kernels run on the CPU, for the time of the block; with
-    `reversed_order`, each block's threads in decreasing order between barriers (a kernel
-    whose outputs change with it holds a race)."""
-    with cuda_patches(partial(emulated_kernel, reversed_order=reversed_order)):
+    """The CUDA path, its kernels run on the CPU and compiled decode steps uncompiled (above),
+    for the time of the block; with `reversed_order`, each block's threads in decreasing
+    order between barriers (a kernel whose outputs change with it holds a race)."""
+    uncompiled = staticmethod(reference_compiled.CompiledDecode.compile_graph)
+    with (
+        cuda_patches(partial(emulated_kernel, reversed_order=reversed_order)),
+        mock.patch.object(compiled.CompiledDecode, "compile_graph", uncompiled),
+    ):
         yield

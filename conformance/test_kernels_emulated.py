@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kvspec.conformance import test_compiled_step as compiled_step
 from kvspec.conformance import test_decode_step as decode_step
 from kvspec.conformance.backend import Backend
 from kvspec.conformance.compare import assert_same_bits
@@ -97,6 +98,24 @@ def test_rows_of_a_padded_batch_read_as_alone(emulated: Backend, kind: str) -> N
 @pytest.mark.parametrize("kind", decode_step.RING_KINDS)
 def test_a_ring_reads_oldest_first(emulated: Backend, kind: str) -> None:
     decode_step.test_a_ring_reads_its_rows_oldest_first(emulated, kind)
+
+
+@pytest.mark.parametrize("kind", decode_step.RING_KINDS)
+def test_a_compiled_ring_reads_as_the_eager_ring(emulated: Backend, kind: str) -> None:
+    compiled_step.test_a_compiled_ring_reads_as_the_eager_ring(emulated, kind)
+
+
+#: The compiled step's kinds whose steps run emulated in every run: growable storage, rings
+#: and a bf16-first switch, over each pass-1 format's slot variant.
+COMPILED_KINDS = ("kv", "affine 4/64", "turbo k8v4 deferred", "bf16-first affine ring 8/32")
+
+
+@pytest.mark.parametrize("kind", COMPILED_KINDS)
+def test_compiled_steps_read_as_eager_steps(emulated: Backend, kind: str) -> None:
+    """COMPILE-1 on the kernels: compiled steps store the eager bits and read as the eager
+    read of the same cache, bit for bit (the traced graph uncompiled, emulated_cuda.py)."""
+    (factory, head_dim) = next(k[1:] for k in compiled_step.KINDS if k[0] == kind)
+    compiled_step.test_compiled_steps_store_the_eager_bits(emulated, factory, head_dim, "deferred")
 
 
 @pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))

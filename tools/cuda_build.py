@@ -14,9 +14,9 @@ the device's architecture (`sm_90a` on an H200). Here a short preamble stands in
 header (the kernels' files need only its Shape and Strides, MAX_NDIM = 10), and ptxas
 reports what each compiled kernel uses. The kernels are the ones the path makes for a
 prefill of PREFILL positions, an eager decode step, a left-padded batch's (the ordered
-variant, which a ring's read takes once it wraps) and a compiled step (its slot variant),
-32 query heads over 8 KV heads, found by running the path with stand-in kernels
-(`kvspec.conformance.stand_ins`).
+variant, which a ring's read takes once it wraps) and a compiled step (its slot variant,
+ordered for a ring), 32 query heads over 8 KV heads, found by running the path with
+stand-in kernels (`kvspec.conformance.stand_ins`).
 
     python tools/cuda_build.py                            # bench's step kinds, head dim 128
     python tools/cuda_build.py --kinds TurboQuant --head-dim 64 --keep /tmp/kernels

@@ -964,6 +964,34 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "cuda-slot-ring-turned-at-the-write-row",
+        "accelerated/cuda/decode_attention.cuh",
+        "        return RowOrder{keep, span > 0 ? (written + 1 - keep) % span : 0, rows, 0};\n",
+        "        return RowOrder{keep, span > 0 ? (written - keep) % span : 0, rows, 0};\n",
+        "the compiled step reads a ring from its write row on, the newest position first, "
+        "not the oldest (READ-7, COMPILE-4)",
+        (f"{EMULATED}::test_a_compiled_ring_reads_as_the_eager_ring[ring-keep-3]",),
+    ),
+    Mutant(
+        "cuda-slot-ordered-new-position-at-its-buffer-row",
+        "accelerated/cuda/decode_attention.cuh",
+        "    const int written = !SLOT ? -1 : ORDERED ? T - 1 : slot;\n",
+        "    const int written = SLOT ? slot : -1;\n",
+        "an ordered slot read takes the new position at the live row of the write row's "
+        "number, not at its last live row: a wrapped ring reads a stale row and the new "
+        "position in its place (COMPILE-4)",
+        (f"{EMULATED}::test_a_compiled_ring_reads_as_the_eager_ring[ring-keep-0]",),
+    ),
+    Mutant(
+        "mlx-compiled-ring-read-in-buffer-order",
+        "accelerated/caches/rotating.py",
+        "        return attention_kernels.padding_order(self.keep, (0,) * layout.batch)\n",
+        "        return None  # type: ignore[return-value]\n",
+        "the compiled step reads a wrapped ring in buffer order, apart from its eager read "
+        "(READ-7, COMPILE-4)",
+        (f"{EMULATED}::test_a_compiled_ring_reads_as_the_eager_ring[affine-ring-6-64-keep-0]",),
+    ),
+    Mutant(
         "cuda-rotated-merge-barrier-missing",
         "accelerated/cuda/decode_attention.cuh",
         "            if (part == 0) lane[turn][d] = value;\n            __syncthreads();\n",

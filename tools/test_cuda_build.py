@@ -85,12 +85,16 @@ def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path
     """READ-7 on CUDA: the split (TARGET_BLOCKS) counts on BLOCKS_PER_SM blocks of WARPS
     warps resident per SM; a pass compiled to more registers a thread than an SM's 65536
     allow for them runs a block fewer (the affine 8-bit slot variant did, at 139; the
-    ordered variant's first version at 144 and 160)."""
+    ordered variant's first version at 144 and 160). The rings add the ordered slot
+    variant of their formats (their other passes are those of KVCache and affine 4-bit)."""
     out = tmp_path / "rows.json"
-    assert cuda_build.main(["--json", str(out)]) == 0
+    kinds = [*bench.TARGET_KINDS, *bench.RING_KINDS]
+    assert cuda_build.main(["--kinds", *kinds, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     passes = [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
-    assert len(passes) == 3 * len(bench.TARGET_KINDS)  # eager, ordered and slot variants
+    # Eager, ordered and slot variants, and the rings' ordered slot variants.
+    assert len(passes) == 3 * len(bench.TARGET_KINDS) + len(bench.RING_KINDS)
+    assert sum("_slot_ordered_" in row["kernel"] for row in passes) == len(bench.RING_KINDS)
     limit = 65536 // (BLOCKS_PER_SM * WARPS * 32)
     assert all(row["registers"] <= limit for row in passes), passes
     # And in an SM's shared memory: a block takes its static and dynamic bytes and the 1 KiB

@@ -111,9 +111,9 @@ class StoredRead:
     rows: mx.array | None = None
     #: The compiled step's new position, held apart from the buffers (COMPILE-4).
     slot: WriteSlot | None = None
-    #: The order of each batch row's live rows (ROWS-6's padding, a ring's turn). None: the
-    #: buffer's order, every row live.
-    order: attention_kernels.RowsOrder | None = None
+    #: The order of each batch row's live rows (ROWS-6's padding, a ring's turn; with a slot,
+    #: a ring's keep alone, `_slot_order`). None: the buffer's order, every row live.
+    order: attention_kernels.RowsOrder | mx.array | None = None
 
     def attend(self, queries: mx.array, scale: float, tensor_cores: bool | None = None) -> mx.array:
         """READ-1 attention of `queries` [B, Hq, N, Dk] over the read's rows. On the kernels'
@@ -334,14 +334,22 @@ class ReadMethods(reads.ReadMethods):
     ) -> Read:
         """COMPILE-4 on MLX: the write-slot read of MLX ops (SlotRead). On CUDA a one-query
         read runs READ-7's kernels over the first `active_length` rows of the buffers, given
-        the new position apart (WriteSlot); other reads there are the write-slot read."""
+        the new position apart (WriteSlot), oldest first as the eager read reads them
+        (`_slot_order`); other reads there are the write-slot read."""
         visible = self._slot_visible(fields, position, active_length)
         portable = self._slot_decoded(fields, new, visible)
         if not fused_kernels_enabled():
             return portable
         stored = self._stored_rows(fields)
         slot = self._write_slot(position, new)
-        return StoredRead(stored, self._launches(stored), lambda: portable, active_length, slot)
+        launches = self._launches(stored)
+        order = self._slot_order()
+        return StoredRead(stored, launches, lambda: portable, active_length, slot, order)
+
+    def _slot_order(self) -> mx.array | None:
+        """READ-7 in the compiled step: the order the kernels' slot read takes (a ring's);
+        None where the buffer's order is the positions' (growable storage)."""
+        return None
 
     def _write_slot(self, position: mx.array, new: Fields) -> WriteSlot:
         """COMPILE-4: the new position's fields `new` as the kernels read them at buffer row

@@ -7,8 +7,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
 import numpy as np
 
+from kvspec.accelerated import attention_kernels
 from kvspec.accelerated.caches.reads import ReadMethods
 from kvspec.accelerated.caches.storage import PlainFields
 from kvspec.reference.caches import rotating
@@ -33,6 +35,14 @@ class RingStorage(ReadMethods, rotating.RingStorage):
         if self._index >= self.offset:
             return self.keep, 0
         return self.keep, (self._index - self.keep) % (rows - self.keep)
+
+    def _slot_order(self) -> mx.array:
+        """READ-7 in the compiled step: the ring's keep (`padding_order`), from which the
+        kernels read its live rows oldest first, the turn following from the write row, which
+        holds the newest position (decode_attention.cuh's RowOrder::after_write)."""
+        layout = self._layout
+        assert layout is not None
+        return attention_kernels.padding_order(self.keep, (0,) * layout.batch)
 
 
 class RotatingKVCache(PlainFields, RingStorage, rotating.RotatingKVCache):

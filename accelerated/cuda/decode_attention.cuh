@@ -613,6 +613,15 @@ struct RowOrder {
         const int hidden = min(rows, max(0, order[1 + b] - oldest[0]));
         return RowOrder{order[0], turn[0], rows, hidden};
     }
+    // The compiled step's ring (SLOT): no padding (COMPILE-2), and the write row holds the
+    // newest position, so the oldest past the kept rows is the row after it (0 where the
+    // ring has not wrapped: the write row is then its last live row).
+    static __device__ __forceinline__ RowOrder after_write(const int* order, int written,
+                                                           int rows) {
+        const int keep = order[0];
+        const int span = rows - keep;
+        return RowOrder{keep, span > 0 ? (written + 1 - keep) % span : 0, rows, 0};
+    }
     // Live row t's buffer row less hidden + t.
     __device__ __forceinline__ int shift(int t) const {
         const int u = hidden + t;
@@ -635,9 +644,9 @@ struct RowOrder {
 // never read); the value codebook (TABLE entries; none when TABLE is 0); COUNTED: the live
 // row count rows[0]; SLOT: the write slot's row slot_row[0] and the new position's fields;
 // ORDERED: the order of each batch row's live rows, `order`, `turn` and `oldest` (RowOrder:
-// ROWS-6's padding, a ring's turn). Output: one row a split of each query head,
-// [B * Hq, SPLITS, DV + 2]: the DV partial sums, then the split's maximum and sum (one
-// array, so that the merge takes one input).
+// ROWS-6's padding, a ring's turn; with SLOT `order` alone, RowOrder::after_write).
+// Output: one row a split of each query head, [B * Hq, SPLITS, DV + 2]: the DV partial
+// sums, then the split's maximum and sum (one array, so that the merge takes one input).
 // The softmax scale is a template constant (its float32 bits): one compile per model, no
 // per-step upload. Two bodies share the block's setup and its final merge of the warps: on
 // tensor cores (MMA: MMA over 8 positions at a time) and on CUDA cores (lanes over elements).
@@ -679,16 +688,19 @@ __device__ __forceinline__ void partial_pass(
     // count from `rows`.
     // ORDERED: row b's live rows in their order (RowOrder): past its padding (ROWS-6), oldest
     // first in a ring (READ-7), as the row's own cache holding its positions alone reads them.
-    static_assert(!(ORDERED && SLOT), "the compiled step's slot reads rows in buffer order");
-    const int stored_rows = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
-    const RowOrder ordering =
-        ORDERED ? RowOrder::of(order, turn, oldest, b, stored_rows) : RowOrder{};
-    const int first = ordering.hidden;
-    const int T = max(0, stored_rows - first);
     // The compiled step's slot variant (COMPILE-4): buffer row slot_row[0] comes from the new
     // position's fields. Read before the barrier below, with the count: issued after it, its
     // load's latency stalled the prologue where the count is first used.
-    const int written = SLOT ? slot_row[0] : -1;
+    const int slot = SLOT ? slot_row[0] : -1;
+    const int stored_rows = COUNTED ? min(k_codes_shape[2], rows[0]) : k_codes_shape[2];
+    const RowOrder ordering = !ORDERED ? RowOrder{}
+        : SLOT ? RowOrder::after_write(order, slot, stored_rows)
+               : RowOrder::of(order, turn, oldest, b, stored_rows);
+    const int first = ordering.hidden;
+    const int T = max(0, stored_rows - first);
+    // The live row read from the new position's fields: the write row, which an ordered read
+    // reads last.
+    const int written = !SLOT ? -1 : ORDERED ? T - 1 : slot;
     const int q_heads = queries_shape[1];
 
     for (int i = threadIdx.x; i < TABLE; i += blockDim.x) codebook[i] = table[i];
@@ -735,29 +747,29 @@ __device__ __forceinline__ void partial_pass(
     float* maxima = shared + WARPS * G * DV;
     float* totals = maxima + WARPS * G;
 
-    // Row t's share of a lane (elements [part E, part E + E)), raw, from the buffers; in
-    // the slot variant row `written` comes from the new position's fields (new_* [B, Hk, 1,
-    // *]) instead, so the buffers need no copy.
-    auto load_key = [&](KeyRow& key, int t, int part) {
+    // Live row t's share of a lane (elements [part E, part E + E)), raw, from buffer row at;
+    // in the slot variant live row `written` comes from the new position's fields (new_*
+    // [B, Hk, 1, *]) instead, so the buffers need no copy.
+    auto load_key = [&](KeyRow& key, int t, int at, int part) {
         if (SLOT && t == written) {
             key.load(new_k_codes, new_k_scales, new_k_biases,
                      b * new_k_codes_strides[0] + h * new_k_codes_strides[1],
                      KFMT == 0 ? 0 : b * new_k_scales_strides[0] + h * new_k_scales_strides[1],
                      part);
         } else {
-            key.load(k_codes, k_scales, k_biases, k_base + (long long)t * k_codes_strides[2],
-                     KFMT == 0 ? 0 : ks_base + (long long)t * k_scales_strides[2], part);
+            key.load(k_codes, k_scales, k_biases, k_base + (long long)at * k_codes_strides[2],
+                     KFMT == 0 ? 0 : ks_base + (long long)at * k_scales_strides[2], part);
         }
     };
-    auto load_value = [&](ValueRow& value, int t, int part) {
+    auto load_value = [&](ValueRow& value, int t, int at, int part) {
         if (SLOT && t == written) {
             value.load(new_v_codes, new_v_scales, new_v_biases,
                        b * new_v_codes_strides[0] + h * new_v_codes_strides[1],
                        VFMT == 0 ? 0 : b * new_v_scales_strides[0] + h * new_v_scales_strides[1],
                        part);
         } else {
-            value.load(v_codes, v_scales, v_biases, v_base + (long long)t * v_codes_strides[2],
-                       VFMT == 0 ? 0 : vs_base + (long long)t * v_scales_strides[2], part);
+            value.load(v_codes, v_scales, v_biases, v_base + (long long)at * v_codes_strides[2],
+                       VFMT == 0 ? 0 : vs_base + (long long)at * v_scales_strides[2], part);
         }
     };
 
@@ -969,7 +981,7 @@ __device__ __forceinline__ void partial_pass(
             constexpr bool WHOLE_ROWS = decltype(whole_rows)::value;
             if (WHOLE_ROWS || tk < end) {
                 if (SLOT_ROWS && tk == written) {
-                    load_key(key, tk, col);
+                    load_key(key, tk, tk, col);
                 } else {
                     const long long moved = key_moved;
                     key.load_row(key_codes + moved * k_codes_strides[2],
@@ -984,7 +996,7 @@ __device__ __forceinline__ void partial_pass(
                 const long long moved = i + value_moved[i];
                 if (WHOLE_ROWS || tv + i < end) {
                     if (SLOT_ROWS && tv + i == written) {
-                        load_value(value, tv + i, row);
+                        load_value(value, tv + i, tv + i, row);
                     } else {
                         value.load_row(
                             value_codes + moved * v_codes_strides[2],
@@ -1288,8 +1300,8 @@ __device__ __forceinline__ void partial_pass(
         auto load = [&](int i, KeyRow& key, ValueRow& value) {
             const int t = first + i * WARPS;
             const int at = ORDERED ? ordering.row(t) : t;
-            load_key(key, at, lane);
-            load_value(value, at, lane);
+            load_key(key, t, at, lane);
+            load_value(value, t, at, lane);
         };
         if (stages > 0) {
             #pragma unroll
