@@ -47,24 +47,27 @@ def test_reads_of_stored_fields_are_within_bound(emulated: Backend, kind: str, b
 
 
 @pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
-def test_steps_do_not_race(backend: Backend, kind: str) -> None:
-    """A window and three decode steps, each block's threads run in increasing order between
-    barriers and then in decreasing order: the kernels' outputs and the stored state are the
-    same bits (a race the barriers do not order would make them differ)."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_steps_do_not_race(backend: Backend, kind: str, compiled: bool) -> None:
+    """A window and three decode steps (eager, or compiled: pass 1's slot variant), each
+    block's threads run in increasing order between barriers and then in decreasing order:
+    the kernels' outputs and the stored state are the same bits (a race the barriers do not
+    order would make them differ)."""
     _skip_unless_emulating(backend)
     from kvspec.conformance.emulated_cuda import emulated_cuda_path
 
     runs = []
     for reversed_order in (False, True):
         with emulated_cuda_path(reversed_order):
-            runs.append(_steps(backend, kind))
+            runs.append(_steps(backend, kind, compiled))
     for index, (forward, backward) in enumerate(zip(*runs, strict=True)):
         assert_same_bits(forward, backward, f"array {index}")
 
 
-def _steps(backend: Backend, kind: str) -> list[np.ndarray]:
+def _steps(backend: Backend, kind: str, compiled: bool) -> list[np.ndarray]:
     """The reads' outputs and the state's arrays of a window and three decode steps."""
     head_dim = 256 if kind.endswith("head256") else 128
+    scale = head_dim**-0.5
     rng = np.random.default_rng(11)
     cache = decode_step.READ_KINDS[kind](backend.module("caches"))
 
@@ -72,11 +75,19 @@ def _steps(backend: Backend, kind: str) -> list[np.ndarray]:
         values = rng.standard_normal((1, heads, length, head_dim)).astype(np.float32)
         return backend.from_numpy(values.astype(ml_dtypes.bfloat16))
 
+    def eager(k, v, queries):
+        return [cache.append_decode(k, v).attend(queries, scale)]
+
+    def step_fn(traces, k, v, queries):
+        return [trace.append_decode(k, v).attend(queries, scale) for trace in traces]
+
     cache.append_window(rows(45), rows(45))
+    compile_decode = backend.module("caches.compiled").compile_decode
+    decode = compile_decode(step_fn, [cache]) if compiled else eager
     outputs = []
     for _ in range(3):
-        read = cache.append_decode(rows(1), rows(1))
-        outputs.append(backend.to_numpy(read.attend(rows(1, heads=8), head_dim**-0.5)))
+        (output,) = decode(rows(1), rows(1), rows(1, heads=8))
+        outputs.append(backend.to_numpy(output))
     return [*outputs, *(backend.to_numpy(array) for array in cache.state().arrays)]
 
 

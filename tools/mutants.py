@@ -998,7 +998,7 @@ CATALOGUE = (
         "            if (part == 0) lane[turn][d] = value;\n",
         "the rotated merge's butterflies across warps read their partner before it is written: "
         "a race no barrier orders (TQ-8, READ-7)",
-        (f"{EMULATED}::test_steps_do_not_race[turbo-k8v4-dense]",),
+        (f"{EMULATED}::test_steps_do_not_race[eager-turbo-k8v4-dense]",),
     ),
     Mutant(
         "cuda-affine-scaled-weights-bias-unrescaled",
