@@ -5,6 +5,8 @@ never depends on the run's luck (the whole catalogue: docs/mutants.md)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mutants
@@ -37,6 +39,20 @@ def test_every_mutant_applies_once() -> None:
             assert ("\n" + text).count("\n" + mutant.before) == 1, f"{mutant.name} cuts a line"
         for test in mutant.tests:
             assert (mutants.PROJECT / test.partition("::")[0]).is_file(), test
+
+
+def test_every_test_a_mutant_names_is_collected() -> None:
+    """A node id that names no test (a renamed test, a parametrization's id changed) would
+    make a mutant's run exit with pytest's usage error and read as an error, not a catch:
+    every named test is collected."""
+    tests = sorted({test for mutant in mutants.CATALOGUE for test in mutant.tests})
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=mutants.PROJECT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_the_copy_is_what_imports(tmp_path: Path) -> None:
