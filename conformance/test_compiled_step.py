@@ -3,10 +3,11 @@
 The model is the reference cache driven by `append_decode` (READ-2), which shares no code
 with the step's plan, trace and commit. For every cache kind and scheme, N compiled steps
 store the model's bits (and the backend's own eager steps' bits) and read within READ-1's
-bound (TQC-4's for deferred TurboQuant reads); a state machine mixes compiled steps with
-eager appends, trims, state round trips and bad input. Explicit cases: recompiles only
-when a slot key changes, the bf16-first switch in the commit, deferred and eager checks,
-misuse of the four calls.
+bound (TQC-4's for deferred TurboQuant reads), and where READ-7's kernels answer, as the
+backend's own eager reads, bit for bit (a ring's oldest first); a state machine mixes
+compiled steps with eager appends, trims, state round trips and bad input. Explicit cases:
+recompiles only when a slot key changes, the bf16-first switch in the commit, deferred and
+eager checks, misuse of the four calls, a ring's compiled reads around its wrap.
 """
 
 from __future__ import annotations
