@@ -23,8 +23,9 @@ stand-in kernels (`kvspec.conformance.stand_ins`).
     python tools/cuda_build.py --quick                    # one small kernel
     python tools/cuda_build.py --kinds Quantized --sass   # and each main loop's instructions
 
-cuobjdump comes with the CUDA toolkit, or alone from PyPI (`nvidia-cuda-cuobjdump`, its
-binary under the package's bin directory); --sass needs it on the PATH.
+cuobjdump comes with the CUDA toolkit, or from PyPI (`nvidia-cuda-cuobjdump` with
+`nvidia-cuda-nvdisasm`, which the test extra installs on x86-64 Linux); --sass takes the one
+on the PATH, else the package's.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class Usage:
     #: how many of each opcode it holds, most first; None unasked.
     loop_instructions: int | None = None
     loop_opcodes: dict[str, int] | None = None
+    #: The whole kernel's floating-point instructions by opcode (ARITHMETIC); None unasked.
+    arithmetic: dict[str, int] | None = None
 
 
 def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
@@ -179,14 +182,48 @@ def main_loop(sass: str) -> Loop | None:
     return max(found, key=lambda loop: len(loop.instructions), default=None)
 
 
-def loop_of(cubin: Path) -> Loop | None:
-    """`main_loop` of a compiled kernel, disassembled by cuobjdump."""
-    done = subprocess.run(
-        ["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=False
-    )
+def cuobjdump() -> str | None:
+    """cuobjdump on the PATH, else the binary of PyPI's nvidia-cuda-cuobjdump
+    (`nvidia/cu*/bin`, beside nvidia-cuda-nvdisasm's, which it runs); None where neither is."""
+    found = shutil.which("cuobjdump")
+    if found is not None:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for binary in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(binary)
+    return None
+
+
+def sass_of(cubin: Path) -> str:
+    """A compiled kernel's SASS, as cuobjdump prints it."""
+    binary = cuobjdump()
+    if binary is None:
+        raise RuntimeError("no cuobjdump: the CUDA toolkit's, or PyPI's nvidia-cuda-cuobjdump")
+    done = subprocess.run([binary, "-sass", str(cubin)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"cuobjdump failed on {cubin.name}:\n{done.stderr[-2000:]}")
-    return main_loop(done.stdout)
+    return done.stdout
+
+
+#: The opcodes that compute a read's floating-point values: products, sums and their fusions,
+#: maxima, exp2 and the MMAs, in 32 and 16 bits (each with its modifiers). Not MUFU.RCP, which
+#: an integer division takes too.
+ARITHMETIC = ("FADD", "FFMA", "FMUL", "FMNMX", "MUFU.EX2", "HADD2", "HFMA2", "HMUL2", "HMMA")
+
+
+def arithmetic(sass: str) -> dict[str, int]:
+    """How many of each floating-point opcode of ARITHMETIC `sass` holds."""
+    opcodes = [
+        _PREDICATE.sub("", found.group(2).strip()).split()[0]
+        for found in map(_SASS_LINE.search, sass.splitlines())
+        if found is not None
+    ]
+    computing = [op for op in opcodes if any(op == a or op.startswith(f"{a}.") for a in ARITHMETIC)]
+    return dict(sorted(Counter(computing).items()))
 
 
 def build(call: KernelCall, arch: str, directory: Path, sass: bool = False) -> Usage:
@@ -226,12 +263,14 @@ def build(call: KernelCall, arch: str, directory: Path, sass: bool = False) -> U
     )
     if not sass:
         return usage
-    loop = loop_of(directory / f"{call.name}.cubin")
+    sass_text = sass_of(directory / f"{call.name}.cubin")
+    loop = main_loop(sass_text)
     opcodes = [] if loop is None else loop.opcodes()
     return replace(
         usage,
         loop_instructions=len(opcodes),
         loop_opcodes=dict(Counter(opcodes).most_common()),
+        arithmetic=arithmetic(sass_text),
     )
 
 
@@ -253,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = picked_kinds(parser, args.kinds, TARGET_KINDS)
     if shutil.which("nvcc") is None:
         parser.error("nvcc is not on the PATH")
-    if args.sass and shutil.which("cuobjdump") is None:
-        parser.error("--sass needs cuobjdump on the PATH")
+    if args.sass and cuobjdump() is None:
+        parser.error("--sass needs cuobjdump: the CUDA toolkit's, or PyPI's nvidia-cuda-cuobjdump")
     calls = collect(kinds[:1] if args.quick else kinds, args.head_dim)
     if args.quick:
         smallest = min(calls.values(), key=lambda call: len(call.inputs))

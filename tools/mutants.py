@@ -983,6 +983,16 @@ CATALOGUE = (
         (f"{EMULATED}::test_a_compiled_ring_reads_as_the_eager_ring[ring-keep-0]",),
     ),
     Mutant(
+        "cuda-slot-softmax-sum-unfused",
+        "accelerated/cuda/decode_attention.cuh",
+        "            l = l * alpha + (p0 + p1);\n",
+        "            l = SLOT ? __fadd_rn(__fmul_rn(l, alpha), p0 + p1) : l * alpha + (p0 + p1);\n",
+        "the slot variant rounds the softmax sum's product apart where the others fuse it: a "
+        "compiled read parts from the eager read on a GPU alone, not on the emulator, which "
+        "fuses nothing (READ-7, COMPILE-4)",
+        ("tools/test_cuda_build.py::test_the_variants_of_a_read_compute_alike",),
+    ),
+    Mutant(
         "mlx-compiled-ring-read-in-buffer-order",
         "accelerated/caches/rotating.py",
         "        return attention_kernels.padding_order(self.keep, (0,) * layout.batch)\n",

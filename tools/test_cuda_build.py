@@ -6,6 +6,7 @@ memory)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from kvspec.accelerated.cuda_source import cuda_type
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
 needs_cuobjdump = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
-    reason="nvcc or cuobjdump is not on the PATH",
+    shutil.which("nvcc") is None or cuda_build.cuobjdump() is None,
+    reason="no nvcc on the PATH, or no cuobjdump",
 )
 #: The shared memory of an H200's SM (compute capability 9.0: 228 KiB), and what the device
 #: reserves of it for each resident block.
@@ -136,3 +137,29 @@ def test_each_attention_pass_has_a_main_loop(tmp_path: Path) -> None:
         mmas = sum(count for opcode, count in row["loop_opcodes"].items() if "HMMA" in opcode)
         assert mmas == 16, row
         assert sum(row["loop_opcodes"].values()) == row["loop_instructions"], row
+
+
+@needs_cuobjdump
+def test_the_variants_of_a_read_compute_alike(tmp_path: Path) -> None:
+    """READ-7, ROWS-6, COMPILE-4: pass 1's variants (counted, ordered, slot, ordered slot)
+    differ in which rows they load and from where, not in how they compute: each format's
+    variants compile to the same floating-point instructions. The suite holds their reads
+    to one another bit for bit (a padded or wrapped read to a read in temporal order, a
+    compiled read to the eager one) on the emulator, which builds without contraction; a
+    product and sum that NVRTC fused in one variant and not another would part them on a
+    GPU alone."""
+    out = tmp_path / "rows.json"
+    kinds = [*bench.TARGET_KINDS, *bench.RING_KINDS]
+    assert cuda_build.main(["--kinds", *kinds, "--sass", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    formats: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["kernel"].startswith("kvspec_decode_attention"):
+            name = re.sub(r"_(counted|slot|ordered)(?=_)", "", row["kernel"])
+            formats.setdefault(name, []).append(row)
+    # Plain and affine 4-bit rows (growable storage and rings alike) in four variants, affine
+    # 8-bit and TurboQuant in three (no ring).
+    assert sorted(len(variants) for variants in formats.values()) == [3, 3, 4, 4]
+    for name, variants in formats.items():
+        counts = [row["arithmetic"] for row in variants]
+        assert counts[0] and all(count == counts[0] for count in counts), (name, counts)
