@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -182,6 +183,7 @@ def main_loop(sass: str) -> Loop | None:
     return max(found, key=lambda loop: len(loop.instructions), default=None)
 
 
+@cache
 def cuobjdump() -> str | None:
     """cuobjdump on the PATH, else the binary of PyPI's nvidia-cuda-cuobjdump
     (`nvidia/cu*/bin`, beside nvidia-cuda-nvdisasm's, which it runs); None where neither is."""
