@@ -84,19 +84,27 @@ TARGET_BLOCKS = 528
 #: Threads of the merge per query head (pass 2 is bound by its loads' latency: more threads
 #: keep more in flight).
 MERGE_THREADS = 1024
-#: Pass 1's blocks resident per SM that TARGET_BLOCKS counts on; the compiled step's slot
-#: variant is compiled to fit them (`_slot_bounds`).
+#: Pass 1's blocks resident per SM that TARGET_BLOCKS counts on; the variants that took more
+#: registers than that leaves them are compiled to fit (`_launch_bounds`).
 BLOCKS_PER_SM = 4
-#: The largest head dim and query heads per KV head of the slot variants held to
-#: BLOCKS_PER_SM: those whose eager variants were measured to fit it (119 to 128 registers
-#: a thread at head dim 128, four query heads per KV head, on the H200).
+#: The largest head dim and query heads per KV head of the variants held to BLOCKS_PER_SM:
+#: those whose eager variants were measured to fit it (119 to 128 registers a thread at head
+#: dim 128, four query heads per KV head, on the H200).
 BOUNDED_DIM = 128
 BOUNDED_GROUP = 4
 
 
-def _slot_bounds(plan: _Plan) -> str:
-    """The slot variant's header line that holds it to BLOCKS_PER_SM blocks an SM: the
-    compiler gave it more registers than the eager variant (affine 8-bit 139 against 119 at
+def _bounded(mma: bool, slot: bool, ordered: bool) -> bool:
+    # The variants whose builds without bounds took more than 128 registers a thread (nvcc
+    # for sm_90a, `tools/cuda_build.py`): the slot variant (affine 8-bit 139), and the
+    # CUDA-core body's ordered variant (affine 4-bit 136, 8-bit 133). The others fit as they
+    # are, and bounds would change the code the H200 measured.
+    return slot or (ordered and not mma)
+
+
+def _launch_bounds(plan: _Plan) -> str:
+    """The header line that holds a variant to BLOCKS_PER_SM blocks an SM: the compiler gave
+    the slot variant more registers than the eager variant (affine 8-bit 139 against 119 at
     head dim 128), which left room for three blocks, not four, and took 35% longer. MLX
     writes the kernel's declaration after the header, with CUDA's `__global__`, which this
     redefines; nothing for plans no eager variant was measured to fit."""
@@ -297,7 +305,9 @@ def _partial_kernel(
         plan.partial_constants,
         input_names=inputs,
         output_names=["partial"],
-        header=_INCLUDE + constants_header(codebook_bits) + (_slot_bounds(plan) if slot else ""),
+        header=_INCLUDE
+        + constants_header(codebook_bits)
+        + (_launch_bounds(plan) if _bounded(mma, slot, ordered) else ""),
         ensure_row_contiguous=False,
         shared_memory=plan.shared_bytes[mma],
     )

@@ -182,12 +182,14 @@ def test_a_kernels_constants_are_written_as_mlx_writes_template_arguments(
     ("head_dim", "group", "bounded"),
     [(128, 4, True), (64, 2, True), (256, 4, False), (128, 8, False)],
 )
-def test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on(
+def test_the_variants_that_outgrew_it_are_held_to_the_blocks_an_sm_the_split_counts_on(
     backend: Backend, monkeypatch, head_dim: int, group: int, bounded: bool
 ) -> None:
-    """The compiled step's slot variant of pass 1 is declared with launch bounds of WARPS * 32
-    threads and BLOCKS_PER_SM blocks, where the eager variant was measured to fit them (head
-    dims up to BOUNDED_DIM, up to BOUNDED_GROUP query heads per KV head); no other kernel."""
+    """The compiled step's slot variant of pass 1 (either body) and the CUDA-core body's
+    ordered variant are declared with launch bounds of WARPS * 32 threads and BLOCKS_PER_SM
+    blocks, where the eager variant was measured to fit them (head dims up to BOUNDED_DIM,
+    up to BOUNDED_GROUP query heads per KV head); no other kernel: built without bounds,
+    those two took more registers than the blocks leave a thread, and the others fit."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's CUDA sources")
     import mlx.core as mx
@@ -203,21 +205,27 @@ def test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on(
     side = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, head_dim)
     plan = kernels._plan(mx.bfloat16, side, side, 8, group, 16, 0, mx.bfloat16)
     kernels._partial_kernel.cache_clear()
+    variants = [
+        (mma, slot, ordered)
+        for mma in (False, True)
+        for slot in (False, True)
+        for ordered in (False, True)
+    ]
     try:
-        for slot in (False, True):
+        for mma, slot, ordered in variants:
             kernels._partial_kernel(
-                plan, True, True, slot, False, kernels.AFFINE, kernels.AFFINE, None
+                plan, True, mma, slot, ordered, kernels.AFFINE, kernels.AFFINE, None
             )
     finally:
         kernels._partial_kernel.cache_clear()
+    assert len(headers) == len(variants)
     bounds = f"__launch_bounds__({kernels.WARPS * 32}, {kernels.BLOCKS_PER_SM})"
-    (eager,) = [header for name, header in headers.items() if "_slot" not in name]
-    (slot,) = [header for name, header in headers.items() if "_slot" in name]
-    assert bounds not in eager
-    assert (bounds in slot) is bounded
-    if bounded:
-        # MLX declares the kernel after the header: `__global__` carries the bounds there.
-        assert slot.endswith(f"#define __global__ __location__(global) {bounds}\n")
+    for name, header in headers.items():
+        outgrew = "_slot" in name or ("_ordered" in name and "_mma" not in name)
+        assert (bounds in header) is (outgrew and bounded), name
+        if bounds in header:
+            # MLX declares the kernel after the header: `__global__` carries the bounds there.
+            assert header.endswith(f"#define __global__ __location__(global) {bounds}\n")
 
 
 def test_the_kernels_hold_turboquants_tables_bit_for_bit(backend: Backend) -> None:

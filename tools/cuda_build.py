@@ -22,6 +22,7 @@ stand-in kernels (`kvspec.conformance.stand_ins`).
     python tools/cuda_build.py --kinds TurboQuant --head-dim 64 --keep /tmp/kernels
     python tools/cuda_build.py --quick                    # one small kernel
     python tools/cuda_build.py --kinds Quantized --sass   # and each main loop's instructions
+    python tools/cuda_build.py --cuda-cores --sass        # the reads' CUDA-core bodies
 
 cuobjdump comes with the CUDA toolkit, or from PyPI (`nvidia-cuda-cuobjdump` with
 `nvidia-cuda-nvdisasm`, which the test extra installs on x86-64 Linux); --sass takes the one
@@ -88,9 +89,14 @@ class Usage:
     arithmetic: dict[str, int] | None = None
 
 
-def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
+def collect(
+    kinds: Sequence[str], head_dim: int, tensor_cores: bool | None = None
+) -> dict[str, KernelCall]:
     """The kernels the CUDA path makes for each kind: a prefill, an eager decode step, a
-    padded batch's decode step and a compiled decode step, by kernel name."""
+    padded batch's decode step and a compiled decode step, by kernel name; each read's pass 1
+    in the body `tensor_cores` picks (the attend's argument: None, tensor cores where they
+    take the read)."""
+    scale = head_dim**-0.5
     with cuda_path() as launches:
         for kind in kinds:
             cache = KINDS[kind](PREFILL + 8)
@@ -98,15 +104,17 @@ def collect(kinds: Sequence[str], head_dim: int) -> dict[str, KernelCall]:
             one = mx.ones((1, 8, 1, head_dim), mx.bfloat16)
             queries = mx.ones((1, 32, 1, head_dim), mx.bfloat16)
             cache.append_window(kv, kv)
-            cache.append_decode(one, one).attend(queries, head_dim**-0.5)
+            cache.append_decode(one, one).attend(queries, scale, tensor_cores)
             padded = KINDS[kind](PREFILL + 8)
             padded.prepare(left_padding=[0, 1])
             two = [mx.concatenate([array, array]) for array in (kv, one, queries)]
             padded.append_window(two[0], two[0])
-            padded.append_decode(two[1], two[1]).attend(two[2], head_dim**-0.5)
+            padded.append_decode(two[1], two[1]).attend(two[2], scale, tensor_cores)
 
             def step_fn(traces: list, k: mx.array, v: mx.array, q: mx.array) -> list:
-                return [trace.append_decode(k, v).attend(q, head_dim**-0.5) for trace in traces]
+                return [
+                    trace.append_decode(k, v).attend(q, scale, tensor_cores) for trace in traces
+                ]
 
             compile_decode(step_fn, [cache])(one, one, queries)
         return dict(launches.kernels)
@@ -215,14 +223,23 @@ def sass_of(cubin: Path) -> str:
 #: maxima, exp2 and the MMAs, in 32 and 16 bits (each with its modifiers). Not MUFU.RCP, which
 #: an integer division takes too.
 ARITHMETIC = ("FADD", "FFMA", "FMUL", "FMNMX", "MUFU.EX2", "HADD2", "HFMA2", "HMUL2", "HMMA")
+#: A 16-bit fused product of zeros plus an immediate (`HFMA2.MMA R2, -RZ, RZ, 0, 1.2e-07`):
+#: the compiler's way of moving a constant into a register, which computes nothing.
+_CONSTANT_MOVE = re.compile(r"^HFMA2\S*\s+\w+,\s*-RZ,\s*RZ,")
 
 
 def arithmetic(sass: str) -> dict[str, int]:
-    """How many of each floating-point opcode of ARITHMETIC `sass` holds."""
-    opcodes = [
-        _PREDICATE.sub("", found.group(2).strip()).split()[0]
+    """How many of each floating-point opcode of ARITHMETIC `sass` holds (constant moves
+    left out)."""
+    instructions = [
+        _PREDICATE.sub("", found.group(2).strip())
         for found in map(_SASS_LINE.search, sass.splitlines())
         if found is not None
+    ]
+    opcodes = [
+        instruction.split()[0]
+        for instruction in instructions
+        if not _CONSTANT_MOVE.match(instruction)
     ]
     computing = [op for op in opcodes if any(op == a or op.startswith(f"{a}.") for a in ARITHMETIC)]
     return dict(sorted(Counter(computing).items()))
@@ -290,13 +307,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sass", action="store_true", help="each kernel's main loop, from cuobjdump"
     )
+    parser.add_argument(
+        "--cuda-cores",
+        action="store_true",
+        help="each read's pass 1 in the CUDA-core body (default: tensor cores where they fit)",
+    )
     args = parser.parse_args(argv)
     kinds = picked_kinds(parser, args.kinds, TARGET_KINDS)
     if shutil.which("nvcc") is None:
         parser.error("nvcc is not on the PATH")
     if args.sass and cuobjdump() is None:
         parser.error("--sass needs cuobjdump: the CUDA toolkit's, or PyPI's nvidia-cuda-cuobjdump")
-    calls = collect(kinds[:1] if args.quick else kinds, args.head_dim)
+    tensor_cores = False if args.cuda_cores else None
+    calls = collect(kinds[:1] if args.quick else kinds, args.head_dim, tensor_cores)
     if args.quick:
         smallest = min(calls.values(), key=lambda call: len(call.inputs))
         calls = {smallest.name: smallest}

@@ -66,6 +66,9 @@ COUNTING = "conformance/test_counting_table.py"
 EMPTY_ENCODES = "conformance/test_empty_encodes.py"
 RECORDS_VIEWS = "test_a_decode_step_reads_a_records_rows_without_a_fields_view"
 CUDA_SOURCE = "conformance/test_cuda_source.py"
+HELD_TO_THE_BLOCKS = (
+    "test_the_variants_that_outgrew_it_are_held_to_the_blocks_an_sm_the_split_counts_on"
+)
 GOLDEN = "conformance/test_golden.py"
 COMPILED = "conformance/test_compiled_step.py"
 #: The reads of affine values with scaled weights (READ-7) at 4 query heads per KV head.
@@ -830,9 +833,9 @@ CATALOGUE = (
         "the compiled step's slot variant takes the registers the compiler gives it, three "
         "blocks an SM for affine 8-bit where the split counts on four (READ-7 on CUDA)",
         (
-            f"{CUDA_SOURCE}::test_the_slot_variant_is_held_to_the_blocks_an_sm_the_split_counts_on",
+            f"{CUDA_SOURCE}::{HELD_TO_THE_BLOCKS}",
             "tools/test_cuda_build.py::"
-            "test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on",
+            "test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on[tensor-cores]",
         ),
     ),
     Mutant(
@@ -990,7 +993,21 @@ CATALOGUE = (
         "the slot variant rounds the softmax sum's product apart where the others fuse it: a "
         "compiled read parts from the eager read on a GPU alone, not on the emulator, which "
         "fuses nothing (READ-7, COMPILE-4)",
-        ("tools/test_cuda_build.py::test_the_variants_of_a_read_compute_alike",),
+        ("tools/test_cuda_build.py::test_the_variants_of_a_read_compute_alike[tensor-cores]",),
+    ),
+    Mutant(
+        "mlx-ordered-cuda-core-variant-unbounded",
+        "accelerated/attention_kernels.py",
+        "    return slot or (ordered and not mma)\n",
+        "    return slot\n",
+        "the CUDA-core body's ordered variant compiles to more registers than four blocks an SM "
+        "leave a thread, so a padded or wrapped read runs a block an SM fewer than its split "
+        "counts on (READ-7)",
+        (
+            f"{CUDA_SOURCE}::{HELD_TO_THE_BLOCKS}",
+            "tools/test_cuda_build.py::"
+            "test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on[cuda-cores]",
+        ),
     ),
     Mutant(
         "mlx-compiled-ring-read-in-buffer-order",

@@ -81,27 +81,44 @@ def test_quick_run_compiles_one_kernel(tmp_path: Path) -> None:
     assert (tmp_path / f"{row['kernel']}.cubin").stat().st_size > 0
 
 
-@needs_nvcc
-def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(tmp_path: Path) -> None:
-    """READ-7 on CUDA: the split (TARGET_BLOCKS) counts on BLOCKS_PER_SM blocks of WARPS
-    warps resident per SM; a pass compiled to more registers a thread than an SM's 65536
-    allow for them runs a block fewer (the affine 8-bit slot variant did, at 139; the
-    ordered variant's first version at 144 and 160). The rings add the ordered slot
-    variant of their formats (their other passes are those of KVCache and affine 4-bit)."""
-    out = tmp_path / "rows.json"
-    kinds = [*bench.TARGET_KINDS, *bench.RING_KINDS]
-    assert cuda_build.main(["--kinds", *kinds, "--json", str(out)]) == 0
+#: The kinds whose passes the builds below hold: bench's target kinds, and the rings, which add
+#: the ordered slot variant of their formats (their other passes are those of KVCache and
+#: affine 4-bit).
+BUILT_KINDS = [*bench.TARGET_KINDS, *bench.RING_KINDS]
+
+
+@pytest.fixture(scope="module", params=["tensor-cores", "cuda-cores"])
+def built_passes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list:
+    """Every decode-attention pass of BUILT_KINDS in one body, compiled once for the tests
+    below (with each kernel's SASS where cuobjdump is found)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on the PATH")
+    out = tmp_path_factory.mktemp("build") / "rows.json"
+    body = ["--cuda-cores"] if request.param == "cuda-cores" else []
+    sass = ["--sass"] if cuda_build.cuobjdump() is not None else []
+    assert cuda_build.main(["--kinds", *BUILT_KINDS, *body, *sass, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    passes = [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
+    return [row for row in rows if row["kernel"].startswith("kvspec_decode_attention")]
+
+
+def test_every_attention_pass_fits_the_blocks_an_sm_its_split_counts_on(built_passes: list) -> None:
+    """READ-7 on CUDA: the split (TARGET_BLOCKS) counts on BLOCKS_PER_SM blocks of WARPS
+    warps resident per SM, in either body; a pass compiled to more registers a thread than
+    an SM's 65536 allow for them runs a block fewer (the affine 8-bit slot variant did, at
+    139; the tensor-core ordered variant's first version at 144 and 160; the CUDA-core
+    ordered variant of affine 4-bit at 136 before it was bounded)."""
     # Eager, ordered and slot variants, and the rings' ordered slot variants.
-    assert len(passes) == 3 * len(bench.TARGET_KINDS) + len(bench.RING_KINDS)
-    assert sum("_slot_ordered_" in row["kernel"] for row in passes) == len(bench.RING_KINDS)
+    assert len(built_passes) == 3 * len(bench.TARGET_KINDS) + len(bench.RING_KINDS)
+    ordered_slots = sum("_slot_ordered_" in row["kernel"] for row in built_passes)
+    assert ordered_slots == len(bench.RING_KINDS)
     limit = 65536 // (BLOCKS_PER_SM * WARPS * 32)
-    assert all(row["registers"] <= limit for row in passes), passes
+    assert all(row["registers"] <= limit for row in built_passes), built_passes
     # And in an SM's shared memory: a block takes its static and dynamic bytes and the 1 KiB
     # the device reserves for each block.
-    blocks = [row["shared_bytes"] + row["dynamic_shared_bytes"] + BLOCK_RESERVED for row in passes]
-    assert all(0 < block * BLOCKS_PER_SM <= SM_SHARED for block in blocks), passes
+    blocks = [
+        row["shared_bytes"] + row["dynamic_shared_bytes"] + BLOCK_RESERVED for row in built_passes
+    ]
+    assert all(0 < block * BLOCKS_PER_SM <= SM_SHARED for block in blocks), built_passes
 
 
 def test_a_loop_counts_every_instruction_from_its_target_to_its_branch() -> None:
@@ -140,26 +157,33 @@ def test_each_attention_pass_has_a_main_loop(tmp_path: Path) -> None:
 
 
 @needs_cuobjdump
-def test_the_variants_of_a_read_compute_alike(tmp_path: Path) -> None:
+def test_the_variants_of_a_read_compute_alike(built_passes: list) -> None:
     """READ-7, ROWS-6, COMPILE-4: pass 1's variants (counted, ordered, slot, ordered slot)
     differ in which rows they load and from where, not in how they compute: each format's
-    variants compile to the same floating-point instructions. The suite holds their reads
-    to one another bit for bit (a padded or wrapped read to a read in temporal order, a
-    compiled read to the eager one) on the emulator, which builds without contraction; a
-    product and sum that NVRTC fused in one variant and not another would part them on a
-    GPU alone."""
-    out = tmp_path / "rows.json"
-    kinds = [*bench.TARGET_KINDS, *bench.RING_KINDS]
-    assert cuda_build.main(["--kinds", *kinds, "--sass", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    variants compile to the same floating-point instructions, in either body. The suite
+    holds their reads to one another bit for bit (a padded or wrapped read to a read in
+    temporal order, a compiled read to the eager one) on the emulator, which builds without
+    contraction; a product and sum that NVRTC fused in one variant and not another would
+    part them on a GPU alone."""
     formats: dict[str, list[dict]] = {}
-    for row in rows:
-        if row["kernel"].startswith("kvspec_decode_attention"):
-            name = re.sub(r"_(counted|slot|ordered)(?=_)", "", row["kernel"])
-            formats.setdefault(name, []).append(row)
+    for row in built_passes:
+        name = re.sub(r"_(counted|slot|ordered)(?=_)", "", row["kernel"])
+        formats.setdefault(name, []).append(row)
     # Plain and affine 4-bit rows (growable storage and rings alike) in four variants, affine
     # 8-bit and TurboQuant in three (no ring).
     assert sorted(len(variants) for variants in formats.values()) == [3, 3, 4, 4]
     for name, variants in formats.items():
         counts = [row["arithmetic"] for row in variants]
         assert counts[0] and all(count == counts[0] for count in counts), (name, counts)
+
+
+def test_constant_moves_are_not_arithmetic() -> None:
+    """The compiler moves constants into registers as 16-bit products of zeros; how many
+    it moves differs between variants that compute alike."""
+    moves = SASS.replace("NOP", "HFMA2.MMA R3, -RZ, RZ, 0, 1.1920928955078125e-07").replace(
+        "EXIT", "@P1 HFMA2 R5, -RZ, RZ, 1.875, 0"
+    )
+    fused = SASS.replace("NOP", "HFMA2.MMA R3, R4, R5, -RZ")
+    assert cuda_build.arithmetic(SASS) == {"FADD": 1}
+    assert cuda_build.arithmetic(moves) == {"FADD": 1}
+    assert cuda_build.arithmetic(fused) == {"FADD": 1, "HFMA2.MMA": 1}
