@@ -147,7 +147,7 @@ _PARTIAL_CONSTANTS = (
 
 
 def _pass_inputs(
-    key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool, ordered: bool = False
+    key_fmt: int, value_fmt: int, counted: bool, slot: bool, record: bool, ordered: bool
 ) -> list[str]:
     """The inputs of a pass-1 kernel: the fields the two formats store (none stands in for
     a field a format does not have) or the record that holds them all, the compiled step's
@@ -186,7 +186,7 @@ def _pass_inputs(
 
 def _record_field_names(key_fmt: int, value_fmt: int) -> list[str]:
     """The fields the two formats store, as a record's offsets are given (RecordFormat)."""
-    inputs = _pass_inputs(key_fmt, value_fmt, False, False, False)
+    inputs = _pass_inputs(key_fmt, value_fmt, False, False, False, False)
     return [name for name in inputs if name.startswith(("k_", "v_"))]
 
 

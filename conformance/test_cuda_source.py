@@ -179,11 +179,18 @@ def test_a_kernels_constants_are_written_as_mlx_writes_template_arguments(
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "group", "bounded"),
-    [(128, 4, True), (64, 2, True), (256, 4, False), (128, 8, False)],
+    ("key_dim", "value_dim", "group", "bounded"),
+    [
+        (128, 128, 4, True),
+        (64, 64, 2, True),
+        (256, 256, 4, False),
+        (128, 128, 8, False),
+        (256, 128, 4, False),
+        (128, 256, 2, False),
+    ],
 )
 def test_the_variants_that_outgrew_it_are_held_to_the_blocks_an_sm_the_split_counts_on(
-    backend: Backend, monkeypatch, head_dim: int, group: int, bounded: bool
+    backend: Backend, monkeypatch, key_dim: int, value_dim: int, group: int, bounded: bool
 ) -> None:
     """The compiled step's slot variant of pass 1 (either body) and the CUDA-core body's
     ordered variant are declared with launch bounds of WARPS * 32 threads and BLOCKS_PER_SM
@@ -202,8 +209,9 @@ def test_the_variants_that_outgrew_it_are_held_to_the_blocks_an_sm_the_split_cou
         headers[options["name"]] = options["header"]
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
-    side = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, head_dim)
-    plan = kernels._plan(mx.bfloat16, side, side, 8, group, 16, 0, mx.bfloat16)
+    keys = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, key_dim)
+    values = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, value_dim)
+    plan = kernels._plan(mx.bfloat16, keys, values, 8, group, 16, 0, mx.bfloat16)
     kernels._partial_kernel.cache_clear()
     variants = [
         (mma, slot, ordered)
