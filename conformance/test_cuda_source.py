@@ -178,6 +178,40 @@ def test_a_kernels_constants_are_written_as_mlx_writes_template_arguments(
     assert made["name"] == "k" and made["source"] == "call();"
 
 
+def _pass_one_options(monkeypatch, key_dim: int, value_dim: int, group: int) -> dict:
+    """The options each variant of pass 1 (either body; counted, slot, ordered, both) is
+    made with for affine 8-bit keys and values of these head dims, by kernel name."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    made = {}
+
+    def stand_in(**options):
+        made[options["name"]] = options
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
+    keys = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, key_dim)
+    values = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, value_dim)
+    plan = kernels._plan(mx.bfloat16, keys, values, 8, group, 16, 0, mx.bfloat16)
+    variants = [
+        (mma, slot, ordered)
+        for mma in (False, True)
+        for slot in (False, True)
+        for ordered in (False, True)
+    ]
+    kernels._partial_kernel.cache_clear()
+    try:
+        for mma, slot, ordered in variants:
+            kernels._partial_kernel(
+                plan, True, mma, slot, ordered, kernels.AFFINE, kernels.AFFINE, None
+            )
+    finally:
+        kernels._partial_kernel.cache_clear()
+    assert len(made) == len(variants)
+    return made
+
+
 @pytest.mark.parametrize(
     ("key_dim", "value_dim", "group", "bounded"),
     [
@@ -199,41 +233,27 @@ def test_the_variants_that_outgrew_it_are_held_to_the_blocks_an_sm_the_split_cou
     those two took more registers than the blocks leave a thread, and the others fit."""
     if backend.package != "kvspec.accelerated":
         pytest.skip("the MLX backend's CUDA sources")
-    import mlx.core as mx
-
     from kvspec.accelerated import attention_kernels as kernels
 
-    headers = {}
-
-    def stand_in(**options):
-        headers[options["name"]] = options["header"]
-
-    monkeypatch.setattr(mx.fast, "cuda_kernel", stand_in)
-    keys = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, key_dim)
-    values = (kernels.AFFINE, mx.uint32, mx.bfloat16, 8, 64, value_dim)
-    plan = kernels._plan(mx.bfloat16, keys, values, 8, group, 16, 0, mx.bfloat16)
-    kernels._partial_kernel.cache_clear()
-    variants = [
-        (mma, slot, ordered)
-        for mma in (False, True)
-        for slot in (False, True)
-        for ordered in (False, True)
-    ]
-    try:
-        for mma, slot, ordered in variants:
-            kernels._partial_kernel(
-                plan, True, mma, slot, ordered, kernels.AFFINE, kernels.AFFINE, None
-            )
-    finally:
-        kernels._partial_kernel.cache_clear()
-    assert len(headers) == len(variants)
+    made = _pass_one_options(monkeypatch, key_dim, value_dim, group)
     bounds = f"__launch_bounds__({kernels.WARPS * 32}, {kernels.BLOCKS_PER_SM})"
-    for name, header in headers.items():
+    for name, options in made.items():
+        header = options["header"]
         outgrew = "_slot" in name or ("_ordered" in name and "_mma" not in name)
         assert (bounds in header) is (outgrew and bounded), name
         if bounds in header:
             # MLX declares the kernel after the header: `__global__` carries the bounds there.
             assert header.endswith(f"#define __global__ __location__(global) {bounds}\n")
+
+
+def test_pass_one_reads_its_inputs_where_they_lie(backend: Backend, monkeypatch) -> None:
+    """READ-7 on CUDA: pass 1 takes each input's strides and reads it where it lies; made
+    with MLX's default (`ensure_row_contiguous`), a view that is not row contiguous (a
+    sliced buffer) would be copied whole at every launch first."""
+    if backend.package != "kvspec.accelerated":
+        pytest.skip("the MLX backend's CUDA sources")
+    made = _pass_one_options(monkeypatch, 128, 128, 4)
+    assert all(options["ensure_row_contiguous"] is False for options in made.values())
 
 
 def test_the_kernels_hold_turboquants_tables_bit_for_bit(backend: Backend) -> None:
