@@ -175,3 +175,69 @@ def test_a_read_launches_kernels_made_after_the_caches_are_cleared(backend: Back
         with cuda_path() as second:
             assert launched(second, lambda: read.attend(queries, SCALE)) == kept
             assert launched(first, lambda: read.attend(queries, SCALE)) == []
+
+
+def _spec_tensor_cores(key: tuple[int, int, int], value: tuple[int, int, int]) -> bool:
+    """READ-7's rule, restated: tensor cores for key and value head dims of 64, 128 and 256
+    where a lane's share of a row (D/4 key elements, D/8 value elements) lies in one group
+    of a coded format. A side is (format, group size, head dim)."""
+
+    def fits(fmt: int, group: int, dim: int, lanes: int) -> bool:
+        share = dim // lanes
+        return dim in (64, 128, 256) and (fmt == 0 or group % share == 0)
+
+    return fits(*key, 4) and fits(*value, 8)
+
+
+def _spec_scaled_weights(bits: int, group: int, dim: int, query_heads: int) -> bool:
+    """READ-7's rule, restated: affine values of 2, 4 or 8 bits whose share of a lane (D/8
+    elements) fills whole words, and G D <= 8 group_size for G query heads a KV head."""
+    return bits in (2, 4, 8) and (dim // 8) * bits % 32 == 0 and query_heads * dim <= 8 * group
+
+
+def test_the_body_a_read_takes_is_the_specs(backend: Backend) -> None:
+    """READ-7: which reads the tensor-core body takes, and which values it reads with
+    scaled weights, against the spec's statement of each, over formats, group sizes and
+    head dims on both sides of every edge (the bodies round differently: the choice is part
+    of a read's bits)."""
+    mlx_only(backend)
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    def side(fmt: int, bits: int, group: int, dim: int) -> kernels.SideFormat:
+        return kernels.SideFormat(fmt, mx.uint32, mx.bfloat16, bits, group, dim)
+
+    formats = (kernels.PLAIN, kernels.AFFINE, kernels.TURBO_KEY)
+    dims = (32, 64, 96, 128, 192, 256, 512)
+    groups = (16, 32, 64, 128)
+    bodies = 0
+    for key_fmt in formats:
+        for value_fmt in (kernels.PLAIN, kernels.AFFINE):
+            for dim in dims:
+                for key_group in groups:
+                    for value_group in groups:
+                        keys = side(key_fmt, 4, key_group, dim)
+                        values = side(value_fmt, 4, value_group, dim)
+                        expected = _spec_tensor_cores(
+                            (key_fmt, key_group, dim), (value_fmt, value_group, dim)
+                        )
+                        assert kernels.tensor_core_fit(keys, values) is expected, (keys, values)
+                        bodies += expected
+    assert bodies > 0
+    scaled = 0
+    for bits in (2, 3, 4, 5, 6, 8):
+        for dim in dims:
+            for group in groups:
+                for query_heads in (1, 2, 4, 8):
+                    values = side(kernels.AFFINE, bits, group, dim)
+                    expected = _spec_scaled_weights(bits, group, dim, query_heads)
+                    got = kernels.scaled_weights(values, query_heads)
+                    assert got is expected, (values, query_heads)
+                    scaled += expected
+                    # Plain values are never read with scaled weights.
+                    assert not kernels.scaled_weights(side(kernels.PLAIN, bits, group, dim), 1)
+    # The spec's example: bits 4 and group 64 at D = 128 up to G = 4.
+    assert kernels.scaled_weights(side(kernels.AFFINE, 4, 64, 128), 4)
+    assert not kernels.scaled_weights(side(kernels.AFFINE, 4, 64, 128), 5)
+    assert scaled > 0

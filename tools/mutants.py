@@ -996,6 +996,23 @@ CATALOGUE = (
         ("tools/test_cuda_build.py::test_the_variants_of_a_read_compute_alike[tensor-cores]",),
     ),
     Mutant(
+        "mlx-tensor-cores-across-groups",
+        "accelerated/attention_kernels.py",
+        "        return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0\n",
+        "        return side.fmt != PLAIN or side.group_size % (side.dim // share) == 0\n",
+        "the tensor-core body takes coded reads whose lane's share of a row spans groups (READ-7)",
+        (f"{READ_LAUNCHES}::test_the_body_a_read_takes_is_the_specs",),
+    ),
+    Mutant(
+        "mlx-scaled-weights-edge-excluded",
+        "accelerated/attention_kernels.py",
+        "and group * values.dim <= 8 * values.group_size\n",
+        "and group * values.dim < 8 * values.group_size\n",
+        "affine values at G D = 8 group_size (4-bit g64 at D = 128, G = 4) are read without "
+        "scaled weights, which the spec gives them (READ-7)",
+        (f"{READ_LAUNCHES}::test_the_body_a_read_takes_is_the_specs",),
+    ),
+    Mutant(
         "mlx-ordered-cuda-core-variant-unbounded",
         "accelerated/attention_kernels.py",
         "    return slot or (ordered and not mma)\n",
