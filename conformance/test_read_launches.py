@@ -241,3 +241,51 @@ def test_the_body_a_read_takes_is_the_specs(backend: Backend) -> None:
     assert kernels.scaled_weights(side(kernels.AFFINE, 4, 64, 128), 4)
     assert not kernels.scaled_weights(side(kernels.AFFINE, 4, 64, 128), 5)
     assert scaled > 0
+
+
+def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch) -> None:
+    """READ-7: the kernels answer reads on a CUDA device with key and value head dims of 32,
+    64, 96, 128, 160, 192, 256 and 512 and at most 8 query heads per KV head (a whole
+    number of them); nowhere else, not on another GPU (Metal)."""
+    mlx_only(backend)
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    spec_dims = (32, 64, 96, 128, 160, 192, 256, 512)
+
+    def side(dim: int) -> kernels.SideFormat:
+        return kernels.SideFormat(kernels.PLAIN, mx.bfloat16, mx.bfloat16, 16, 32, dim)
+
+    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
+    for key_dim in (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512, 1024):
+        for value_dim in (32, 80, 128, 512):
+            for kv_heads, query_heads in ((8, 8), (8, 32), (2, 16), (1, 8), (1, 9), (8, 12)):
+                expected = (
+                    key_dim in spec_dims
+                    and value_dim in spec_dims
+                    and query_heads % kv_heads == 0
+                    and query_heads // kv_heads <= 8
+                )
+                got = kernels.supported(side(key_dim), side(value_dim), kv_heads, query_heads)
+                assert got is expected, (key_dim, value_dim, kv_heads, query_heads)
+    monkeypatch.undo()
+    # A GPU that is not CUDA's: no kernel read.
+    monkeypatch.setattr(kernels, "cuda_available", lambda: False)
+    monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.gpu)
+    assert not kernels.on_cuda()
+    assert not kernels.supported(side(128), side(128), 8, 32)
+
+
+def test_a_read_is_split_as_the_spec_says() -> None:
+    """READ-7: S = min(S_max, max(1, ceil(T / 64))) splits for T live rows, S_max =
+    min(128, ceil(528 / Hk)) for Hk KV heads (the splits set the order of a read's sums,
+    so a read's bits)."""
+    import math
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    for kv_heads in (1, 2, 3, 4, 5, 8, 16, 32, 64, 600):
+        most = min(128, math.ceil(528 / kv_heads))
+        for rows in (0, 1, 63, 64, 65, 128, 4095, 4096, 8191, 8192, 8193, 131072):
+            assert kernels._splits(rows, kv_heads) == min(most, max(1, math.ceil(rows / 64)))

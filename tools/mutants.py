@@ -996,6 +996,23 @@ CATALOGUE = (
         ("tools/test_cuda_build.py::test_the_variants_of_a_read_compute_alike[tensor-cores]",),
     ),
     Mutant(
+        "mlx-kernels-on-any-gpu",
+        "accelerated/attention_kernels.py",
+        "    return mx.default_device() == mx.gpu and cuda_available()\n",
+        "    return mx.default_device() == mx.gpu or cuda_available()\n",
+        "the CUDA kernels are asked to answer reads on a GPU that is not CUDA's (Metal) (READ-7)",
+        (f"{READ_LAUNCHES}::test_the_reads_the_kernels_take_are_the_specs",),
+    ),
+    Mutant(
+        "mlx-splits-past-the-most",
+        "accelerated/attention_kernels.py",
+        "    return max(1, min(_most_splits(kv_heads), math.ceil(T / MIN_SPLIT)))\n",
+        "    return max(1, max(_most_splits(kv_heads), math.ceil(T / MIN_SPLIT)))\n",
+        "a read is cut into more splits than READ-7's S_max, which sets the order of its "
+        "sums (READ-7)",
+        (f"{READ_LAUNCHES}::test_a_read_is_split_as_the_spec_says",),
+    ),
+    Mutant(
         "mlx-tensor-cores-across-groups",
         "accelerated/attention_kernels.py",
         "        return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0\n",
