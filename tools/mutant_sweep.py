@@ -1,0 +1,139 @@
+"""Measure the suite by generated faults: every operator of a few kinds in a module's code,
+each swapped alone, run against named tests as tools/mutants.py runs its catalogue.
+
+The catalogue's faults are chosen by someone who knows the code, which is their strength
+and their bias; a sweep asks of every comparison, boolean, bound and off-by-one in a file
+whether some test notices it changed. A fault is made of one code line that occurs once in
+its file (not a docstring, comment, import, signature, assertion or raise): the first match
+of one operator on it, replaced (`OPERATORS`). A missed fault is a test to write, a fault
+that changes nothing (an equivalent mutant: a default every caller overrides, a `strict=`
+on lengths that always match) or one that only costs time; each needs a look.
+
+    .venv/bin/python tools/mutant_sweep.py accelerated/attention_kernels.py \
+        --tests conformance/test_read_launches.py conformance/test_kernels_emulated.py
+    .venv/bin/python tools/mutant_sweep.py accelerated/caches/rotating.py --list
+
+Prints a Markdown table of the missed faults and the count caught; `--json` writes every
+fault's result. Exits 1 when a fault is missed or errs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from mutants import PROJECT, Mutant, run_tests
+
+#: What a sweep swaps: a pattern and its replacement, the first match on a line.
+OPERATORS: tuple[tuple[str, str], ...] = (
+    (r" < ", " <= "),
+    (r" <= ", " < "),
+    (r" > ", " >= "),
+    (r" >= ", " > "),
+    (r" == ", " != "),
+    (r" != ", " == "),
+    (r" and ", " or "),
+    (r" or ", " and "),
+    (r"(?<!is )\bnot ", ""),
+    (r"\bTrue\b", "False"),
+    (r"\bFalse\b", "True"),
+    (r"\bmin\(", "max("),
+    (r"\bmax\(", "min("),
+    (r" \+ 1\b", " - 1"),
+    (r" - 1\b", " + 1"),
+    (r" is None\b", " is not None"),
+    (r" is not None\b", " is None"),
+)
+#: Lines that hold no behaviour a sweep should swap.
+_SKIPPED_STARTS = ("import ", "from ", "def ", "class ", "@", "raise ", "assert ", "#")
+
+
+def _string_lines(tree: ast.AST) -> set[int]:
+    """Lines of string statements (docstrings and the like) and of signatures."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            body_start = node.body[0].lineno
+            lines.update(range(node.lineno, body_start))
+    return lines
+
+
+def faults(path: str, tests: Sequence[str]) -> list[Mutant]:
+    """Every fault of OPERATORS on `path`'s code lines, each named by its line."""
+    text = (PROJECT / path).read_text()
+    skipped = _string_lines(ast.parse(text))
+    made = []
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        code = line.split("#", 1)[0]
+        if number in skipped or not code.strip() or code.strip().startswith(_SKIPPED_STARTS):
+            continue
+        if text.count(line) != 1:
+            continue
+        for pattern, replacement in OPERATORS:
+            found = re.search(pattern, code)
+            if found is None:
+                continue
+            after = line[: found.start()] + replacement + line[found.end() :]
+            name = f"{path}:{number}:{found.group().strip() or 'not'}"
+            fault = f"`{found.group().strip()}` -> `{replacement.strip() or '(none)'}`"
+            made.append(Mutant(name, path, line, after, fault, tuple(tests)))
+    return made
+
+
+def project_path(given: str) -> str:
+    """`given` (relative to the working directory or to the project) as the project's
+    relative path of a Python file; ValueError for one outside it."""
+    found = Path(given).resolve()
+    if not found.is_file():
+        found = (PROJECT / given).resolve()
+    if not found.is_file() or found.suffix != ".py" or not found.is_relative_to(PROJECT):
+        raise ValueError(f"{given} is not a Python file of the project ({PROJECT})")
+    return found.relative_to(PROJECT).as_posix()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="modules, relative to the project")
+    parser.add_argument("--tests", nargs="+", default=["conformance"], help="pytest's targets")
+    parser.add_argument("--list", action="store_true", help="print the faults and exit")
+    parser.add_argument("--profile", default="quick", help="hypothesis profile (default quick)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per fault")
+    parser.add_argument("--json", help="write every fault and its result here")
+    args = parser.parse_args(argv)
+    try:
+        paths = [project_path(given) for given in args.paths]
+    except ValueError as error:
+        parser.error(str(error))
+    made = [mutant for path in paths for mutant in faults(path, args.tests)]
+    if args.list:
+        for mutant in made:
+            print(f"{mutant.name}: {mutant.fault}: {mutant.before.strip()}")
+        return 0
+    results = []
+    for mutant in made:
+        result, seconds = run_tests(mutant, args.profile, args.timeout)
+        print(f"{mutant.name}: {result} ({seconds:.0f} s)", file=sys.stderr)
+        results.append((mutant, result, seconds))
+    missed = [(mutant, result) for mutant, result, _ in results if result != "caught"]
+    print(f"{len(results) - len(missed)} of {len(results)} caught")
+    if missed:
+        print("| fault | line | swap | result |\n|---|---|---|---|")
+        for mutant, result in missed:
+            print(f"| {mutant.name} | `{mutant.before.strip()}` | {mutant.fault} | {result} |")
+    if args.json:
+        rows = [{**asdict(m), "result": r, "seconds": round(s, 1)} for m, r, s in results]
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
