@@ -82,7 +82,8 @@ def faults(path: str, tests: Sequence[str]) -> list[Mutant]:
             if found is None:
                 continue
             after = line[: found.start()] + replacement + line[found.end() :]
-            name = f"{path}:{number}:{found.group().strip() or 'not'}"
+            # A name without slashes: a run's copy is a directory named after it.
+            name = f"{path.replace('/', '.')}:{number}:{found.group().strip() or 'not'}"
             fault = f"`{found.group().strip()}` -> `{replacement.strip() or '(none)'}`"
             made.append(Mutant(name, path, line, after, fault, tuple(tests)))
     return made

@@ -49,7 +49,7 @@ def test_a_sweep_swaps_each_operator_of_each_code_line(project: Path) -> None:
         ("if a is None:", "if a is not None:"),
         ("return max(a, b)  # a == b", "return min(a, b)  # a == b"),
     ]
-    assert [mutant.name for mutant in made][:2] == ["pkg/module.py:9:<=", "pkg/module.py:9:and"]
+    assert [mutant.name for mutant in made][:2] == ["pkg.module.py:9:<=", "pkg.module.py:9:and"]
     for mutant in made:
         # Each applies as the catalogue's faults do: its line, once.
         assert SOURCE.count(mutant.before) == 1
@@ -70,4 +70,4 @@ def test_a_sweep_takes_files_of_the_project_alone(project: Path) -> None:
 def test_listing_the_faults_of_a_module(capsys: pytest.CaptureFixture[str]) -> None:
     assert mutant_sweep.main(["accelerated/caches/rotating.py", "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert listed and all(line.startswith("accelerated/caches/rotating.py:") for line in listed)
+    assert listed and all(line.startswith("accelerated.caches.rotating.py:") for line in listed)
