@@ -77,13 +77,14 @@ def faults(path: str, tests: Sequence[str]) -> list[Mutant]:
             continue
         if text.count(line) != 1:
             continue
-        for pattern, replacement in OPERATORS:
+        for operator, (pattern, replacement) in enumerate(OPERATORS):
             found = re.search(pattern, code)
             if found is None:
                 continue
             after = line[: found.start()] + replacement + line[found.end() :]
-            # A name without slashes: a run's copy is a directory named after it.
-            name = f"{path.replace('/', '.')}:{number}:{found.group().strip() or 'not'}"
+            # A name of word characters, dots and dashes: a run's copy is a directory named
+            # after it, on the import path (where a colon would cut it).
+            name = f"{path.replace('/', '.')}-L{number}-{operator}"
             fault = f"`{found.group().strip()}` -> `{replacement.strip() or '(none)'}`"
             made.append(Mutant(name, path, line, after, fault, tuple(tests)))
     return made

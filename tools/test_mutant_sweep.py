@@ -4,6 +4,7 @@ assertions or raises."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mutant_sweep
@@ -49,7 +50,8 @@ def test_a_sweep_swaps_each_operator_of_each_code_line(project: Path) -> None:
         ("if a is None:", "if a is not None:"),
         ("return max(a, b)  # a == b", "return min(a, b)  # a == b"),
     ]
-    assert [mutant.name for mutant in made][:2] == ["pkg.module.py:9:<=", "pkg.module.py:9:and"]
+    assert [mutant.name for mutant in made][:2] == ["pkg.module.py-L9-1", "pkg.module.py-L9-6"]
+    assert all(re.fullmatch(r"[\w.-]+", mutant.name) for mutant in made)
     for mutant in made:
         # Each applies as the catalogue's faults do: its line, once.
         assert SOURCE.count(mutant.before) == 1
@@ -70,4 +72,14 @@ def test_a_sweep_takes_files_of_the_project_alone(project: Path) -> None:
 def test_listing_the_faults_of_a_module(capsys: pytest.CaptureFixture[str]) -> None:
     assert mutant_sweep.main(["accelerated/caches/rotating.py", "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert listed and all(line.startswith("accelerated.caches.rotating.py:") for line in listed)
+    assert listed and all(line.startswith("accelerated.caches.rotating.py-L") for line in listed)
+
+
+def test_a_fault_runs_in_a_copy_of_its_own() -> None:
+    """A fault's name names its copy's directory, which goes on the import path: the copy
+    must be what its run imports (a name with a colon once cut that path, and every fault
+    of a sweep read as an error)."""
+    split_test = "conformance/test_read_launches.py::test_a_read_is_split_as_the_spec_says"
+    fault = mutant_sweep.faults("accelerated/caches/rotating.py", [split_test])[0]
+    # The ring's flag is no concern of the split count: the run must get to say so.
+    assert mutants.run_tests(fault, "quick", 300)[0] == "missed"
