@@ -1013,14 +1013,6 @@ CATALOGUE = (
         (f"{READ_LAUNCHES}::test_a_read_is_split_as_the_spec_says",),
     ),
     Mutant(
-        "mlx-tensor-cores-across-groups",
-        "accelerated/attention_kernels.py",
-        "        return side.fmt == PLAIN or side.group_size % (side.dim // share) == 0\n",
-        "        return side.fmt != PLAIN or side.group_size % (side.dim // share) == 0\n",
-        "the tensor-core body takes coded reads whose lane's share of a row spans groups (READ-7)",
-        (f"{READ_LAUNCHES}::test_the_body_a_read_takes_is_the_specs",),
-    ),
-    Mutant(
         "mlx-scaled-weights-edge-excluded",
         "accelerated/attention_kernels.py",
         "and group * values.dim <= 8 * values.group_size\n",
