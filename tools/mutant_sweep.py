@@ -4,7 +4,7 @@ each swapped alone, run against named tests as tools/mutants.py runs its catalog
 The catalogue's faults are chosen by someone who knows the code, which is their strength
 and their bias; a sweep asks of every comparison, boolean, bound and off-by-one in a file
 whether some test notices it changed. A fault is made of one code line that occurs once in
-its file (not a docstring, comment, import, signature, assertion or raise): the first match
+its file (not in a string, comment, import, signature, assertion or raise): the first match
 of one operator on it, replaced (`OPERATORS`). A missed fault is a test to write, a fault
 that changes nothing (an equivalent mutant: a default every caller overrides, a `strict=`
 on lengths that always match) or one that only costs time; each needs a look.
@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
 import re
 import sys
+import tokenize
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -66,13 +68,31 @@ def _string_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
+def _code_only(text: str) -> list[str]:
+    """`text`'s lines with every string literal and comment blanked out (the same length, so
+    a match's place is its place in the line): a sweep swaps code, not messages."""
+    lines = [list(line) for line in text.splitlines(keepends=True)]
+    blanked = {tokenize.STRING, tokenize.COMMENT}
+    blanked |= {getattr(tokenize, name) for name in ("FSTRING_MIDDLE",) if hasattr(tokenize, name)}
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in blanked:
+            continue
+        (first_row, first_col), (last_row, last_col) = token.start, token.end
+        for row in range(first_row, last_row + 1):
+            chars = lines[row - 1]
+            start = first_col if row == first_row else 0
+            end = last_col if row == last_row else len(chars)
+            chars[start:end] = " " * (end - start)
+    return ["".join(chars) for chars in lines]
+
+
 def faults(path: str, tests: Sequence[str]) -> list[Mutant]:
     """Every fault of OPERATORS on `path`'s code lines, each named by its line."""
     text = (PROJECT / path).read_text()
     skipped = _string_lines(ast.parse(text))
     made = []
-    for number, line in enumerate(text.splitlines(keepends=True), start=1):
-        code = line.split("#", 1)[0]
+    lines = text.splitlines(keepends=True)
+    for number, (line, code) in enumerate(zip(lines, _code_only(text), strict=True), start=1):
         if number in skipped or not code.strip() or code.strip().startswith(_SKIPPED_STARTS):
             continue
         if text.count(line) != 1:

@@ -24,7 +24,11 @@ def pick(a: int, b: int, strict: bool = False) -> int:
     total = 0
     total = 0
     if a is None:
-        raise ValueError("a > b")
+        raise ValueError(
+            "a > b and not"
+            f"{a} < {b}"
+        )
+    note = "x == y"
     return max(a, b)  # a == b
 '''
 
