@@ -246,7 +246,8 @@ def test_the_body_a_read_takes_is_the_specs(backend: Backend) -> None:
 def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch) -> None:
     """READ-7: the kernels answer reads on a CUDA device with key and value head dims of 32,
     64, 96, 128, 160, 192, 256 and 512 and at most 8 query heads per KV head (a whole
-    number of them); nowhere else, not on another GPU (Metal)."""
+    number of them); nowhere else: not on another GPU (Metal), nor on the CPU of a machine
+    with CUDA."""
     mlx_only(backend)
     import mlx.core as mx
 
@@ -270,11 +271,15 @@ def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch)
                 got = kernels.supported(side(key_dim), side(value_dim), kv_heads, query_heads)
                 assert got is expected, (key_dim, value_dim, kv_heads, query_heads)
     monkeypatch.undo()
-    # A GPU that is not CUDA's: no kernel read.
-    monkeypatch.setattr(kernels, "cuda_available", lambda: False)
+    # A GPU that is not CUDA's, or the CPU of a machine with CUDA: no kernel read.
+    for device, cuda in ((mx.gpu, False), (mx.cpu, True)):
+        monkeypatch.setattr(kernels, "cuda_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(kernels.mx, "default_device", lambda device=device: device)
+        assert not kernels.on_cuda()
+        assert not kernels.supported(side(128), side(128), 8, 32)
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
     monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.gpu)
-    assert not kernels.on_cuda()
-    assert not kernels.supported(side(128), side(128), 8, 32)
+    assert kernels.on_cuda()
 
 
 def test_a_read_is_split_as_the_spec_says() -> None:
