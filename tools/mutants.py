@@ -1015,8 +1015,8 @@ CATALOGUE = (
     Mutant(
         "mlx-scaled-weights-edge-excluded",
         "accelerated/attention_kernels.py",
-        "and group * values.dim <= 8 * values.group_size\n",
-        "and group * values.dim < 8 * values.group_size\n",
+        "and group * values.dim <= 8 * values.group_size",
+        "and group * values.dim < 8 * values.group_size",
         "affine values at G D = 8 group_size (4-bit g64 at D = 128, G = 4) are read without "
         "scaled weights, which the spec gives them (READ-7)",
         (f"{READ_LAUNCHES}::test_the_body_a_read_takes_is_the_specs",),
