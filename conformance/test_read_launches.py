@@ -235,8 +235,8 @@ def test_the_body_a_read_takes_is_the_specs(backend: Backend) -> None:
                     got = kernels.scaled_weights(values, query_heads)
                     assert got is expected, (values, query_heads)
                     scaled += expected
-                    # Plain values are never read with scaled weights.
-                    assert not kernels.scaled_weights(side(kernels.PLAIN, bits, group, dim), 1)
+                # Plain values are never read with scaled weights.
+                assert not kernels.scaled_weights(side(kernels.PLAIN, bits, group, dim), 1)
     # The spec's example: bits 4 and group 64 at D = 128 up to G = 4.
     assert kernels.scaled_weights(side(kernels.AFFINE, 4, 64, 128), 4)
     assert not kernels.scaled_weights(side(kernels.AFFINE, 4, 64, 128), 5)
