@@ -223,3 +223,45 @@ def test_a_decode_step_reads_a_records_rows_without_a_fields_view(
             cache.append_decode(row, row).attend(mx.ones((1, 4, 1, 128), mx.bfloat16), 1.0)
             cache.prepare_decode_step()
     assert views == []
+
+
+#: Record caches large enough that a copy of the record stands out of the step's other
+#: allocations: the ring's prefill is longer than it holds, so its steps wrap.
+WRITTEN_IN_PLACE = {
+    "turboquant k8v4": lambda m: m.TurboQuantKVCache(8, 4, "dense", checks="deferred"),
+    "affine 4-bit g64": lambda m: m.QuantizedKVCache(64, 4, checks="deferred"),
+    "affine ring 4-bit g64": lambda m: m.RotatingQuantizedKVCache(1024, 64, 4, checks="deferred"),
+}
+
+
+@pytest.mark.parametrize("step", ["eager", "compiled"])
+@pytest.mark.parametrize("kind", sorted(WRITTEN_IN_PLACE))
+def test_a_decode_write_takes_the_record_over_in_place(
+    backend: Backend, records, kind: str, step: str
+) -> None:
+    """A decode step's write of its row, evaluated, updates the record's buffer in place: the
+    cache holds nothing of the record before it (a RecordFields of it, say), which would
+    make MLX copy the whole record to write one row."""
+    import mlx.core as mx
+
+    caches = backend.module("caches")
+    cache = WRITTEN_IN_PLACE[kind](caches)
+    prefill = mx.ones((1, 2, 2048, 128), mx.bfloat16)
+    row = mx.ones((1, 2, 1, 128), mx.bfloat16)
+    cache.append_window(prefill, prefill)
+    step_fn = backend.module("caches.compiled").compile_decode(
+        lambda traces, k, v, q: [t.append_decode(k, v).attend(q, 1.0) for t in traces], [cache]
+    )
+    query = mx.ones((1, 4, 1, 128), mx.bfloat16)
+    for _ in range(2):
+        mx.eval(step_fn(row, row, query))
+        mx.eval(cache.append_decode(row, row).attend(query, 1.0))
+    if step == "eager":
+        cache.append_decode(row, row)
+    else:
+        mx.eval(step_fn(row, row, query))
+    written = cache._record
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(written)
+    assert mx.get_peak_memory() - held < written.nbytes // 4

@@ -100,6 +100,8 @@ class RecordStorage:
         if rows is None or (parts.layout is not layout and parts.layout != layout):
             rows = packed(parts, layout)
         (self._record,) = written_rows((self._record,), start, (rows,))
+        # The RecordFields of the record before would hold it, and its write would copy it.
+        self._record_fields = None
 
     def _append_encoder(self, k: mx.array, v: mx.array) -> Encoder | None:
         """The storage's one-launch record encode (`_record_encoder`, which each record
