@@ -1036,6 +1036,18 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "mlx-record-write-holds-the-record-before",
+        "accelerated/caches/records.py",
+        "        self._record_fields = None\n",
+        "",
+        "a record storage's write keeps the RecordFields of the record before it, so that MLX "
+        "copies the whole record to write one row where a compiled step's write is evaluated",
+        (
+            f"{RECORDS}::test_a_decode_write_takes_the_record_over_in_place"
+            "[affine 4-bit g64-compiled]",
+        ),
+    ),
+    Mutant(
         "mlx-compiled-ring-read-in-buffer-order",
         "accelerated/caches/rotating.py",
         "        return attention_kernels.padding_order(self.keep, (0,) * layout.batch)\n",
