@@ -55,6 +55,29 @@ def test_bf16_first_kv4_head256_machine(backend) -> None:
     run_machine(backend, kv4_kinds)
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda m: m.Bf16FirstQuantizedKVCache(64, 4, -1), "start must be >= 0, got -1"),
+        (lambda m: m.Bf16FirstQuantizedKVCache(64, 7, 8), "bits must be one of"),
+        (lambda m: m.Bf16FirstQuantizedKVCache(48, 4, 8), "group_size must be one of"),
+        (lambda m: m.Bf16FirstRotatingQuantizedKVCache(0, 64, 4, 8), "max_size must be at least 1"),
+        (lambda m: m.Bf16FirstRotatingQuantizedKVCache(16, 64, 9, 8), "bits must be one of"),
+        (lambda m: m.Bf16FirstRotatingQuantizedKVCache(16, 64, 4, -2), "start must be >= 0"),
+        (lambda m: m.Bf16FirstKv4Head256Cache(-1), "start must be >= 0"),
+        (lambda m: m.Bf16FirstTurboQuantKVCache(9, 4, 8), "k_bits must be one of"),
+        (lambda m: m.Bf16FirstTurboQuantKVCache(8, 4, -1), "start must be >= 0"),
+        (lambda m: m.Bf16FirstQuantizedKVCache(64, 4, 8, checks="lazy"), "checks must be one of"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_a_kind_checks_both_storages_parameters_when_made(backend, make, message: str) -> None:
+    """B16F-2: a bf16-first kind rejects its parameters when made, those of the storage it
+    converts to with them, not at the append that would first make that storage."""
+    with pytest.raises(ValueError, match=message):
+        make(backend.module("caches"))
+
+
 def test_transition_due() -> None:
     """B16F-1: due at offset >= start, never while empty."""
     assert not reference.transition_due(0, 0)

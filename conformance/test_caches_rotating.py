@@ -164,3 +164,55 @@ def test_a_full_ring_wraps_at_max_size(backend, keep: int, ring_index: int, slot
     keys = backend.to_numpy(cache.state().arrays[0])[0, 0, :, 0]
     assert cache.ring_index == ring_index
     assert keys.tolist() == [float(p) for p in slots]
+
+
+@pytest.mark.parametrize(
+    ("max_size", "keep", "message"),
+    [
+        (0, 0, "max_size must be at least 1, got 0"),
+        (-2, 0, "max_size must be at least 1, got -2"),
+        (4, -1, r"keep must be in \[0, max_size\), got -1"),
+        (4, 4, r"keep must be in \[0, max_size\), got 4"),
+        (1, 1, r"keep must be in \[0, max_size\), got 1"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["RotatingKVCache", "RotatingQuantizedKVCache"])
+def test_a_ring_is_not_made_with_a_size_or_keep_it_cannot_hold(
+    backend, kind: str, max_size: int, keep: int, message: str
+) -> None:
+    """RING-1: 1 <= max_size and 0 <= keep < max_size, checked when the ring is made."""
+    with pytest.raises(ValueError, match=message):
+        getattr(backend.module("caches"), kind)(max_size, keep=keep)
+
+
+#: A ring kind by name, and the growable kind holding the same positions' fields.
+RING_AND_GROWABLE = {
+    "RotatingKVCache": (lambda m, n, keep: m.RotatingKVCache(n, keep), lambda m: m.KVCache()),
+    "RotatingQuantizedKVCache": (
+        lambda m, n, keep: m.RotatingQuantizedKVCache(n, 64, 4, keep),
+        lambda m: m.QuantizedKVCache(64, 4),
+    ),
+}
+
+
+@pytest.mark.parametrize(("max_size", "keep"), [(1, 0), (4, 3)])
+@pytest.mark.parametrize("kind", sorted(RING_AND_GROWABLE))
+def test_a_ring_takes_the_edges_of_its_size_and_keep(
+    backend, kind: str, max_size: int, keep: int
+) -> None:
+    """RING-1's edges are rings: one position held, or every position but one kept. After
+    seven one-position appends the buffer holds the kept positions and the newest one, in
+    that order (RING-2), stored as the growable kind stores those positions."""
+    make_ring, make_growable = RING_AND_GROWABLE[kind]
+    ring = make_ring(backend.module("caches"), max_size, keep)
+    k, v = random_kv(0, (1, 1, 7, 64), 64, BFLOAT16)
+    for t in range(7):
+        ring.append_decode(
+            backend.from_numpy(k[:, :, t : t + 1]), backend.from_numpy(v[:, :, t : t + 1])
+        )
+    held = [*range(keep), 6]
+    growable = make_growable(reference)
+    growable.append_window(k[:, :, held], v[:, :, held])
+    assert ring.offset == 7
+    for got, want in zip(ring.state().arrays, growable.state().arrays, strict=True):
+        assert_same_bits(backend.to_numpy(got), want, kind)

@@ -30,6 +30,14 @@ def ring_positions(offset: int, ring_index: int, length: int) -> np.ndarray:
     return offset - ring_index + rows - np.where(wrapped, length, 0)
 
 
+def check_ring_parameters(max_size: int, keep: int) -> None:
+    """RING-1: 1 <= max_size and 0 <= keep < max_size, else ValueError."""
+    if max_size < 1:
+        raise ValueError(f"max_size must be at least 1, got {max_size}")
+    if not 0 <= keep < max_size:
+        raise ValueError(f"keep must be in [0, max_size), got {keep}")
+
+
 class RingStorage(FieldStorage):
     """A sliding window of `max_size` positions whose first `keep` are never evicted
     (RING-1). Fields are [B, H, T, *]; `ring_index` is where the next one-position append
@@ -43,10 +51,7 @@ class RingStorage(FieldStorage):
     """
 
     def __init__(self, max_size: int, keep: int = 0, checks: str = "eager") -> None:
-        if max_size < 1:
-            raise ValueError(f"max_size must be at least 1, got {max_size}")
-        if not 0 <= keep < max_size:
-            raise ValueError(f"keep must be in [0, max_size), got {keep}")
+        check_ring_parameters(max_size, keep)
         super().__init__(checks)
         self.max_size = max_size
         self.keep = keep
