@@ -5,7 +5,7 @@ where mlx-lm is not installed; the rest of the cache suite does not need it."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvspec.conformance.cache_machine import appends, random_kv, ring_operations, starts
@@ -31,6 +31,12 @@ operations = st.lists(
 
 
 @given(ops=operations, seed=st.integers(0, 2**32 - 1))
+# CACHE-3's edges: appends of a step less one, a whole step and a step and one, from offsets
+# on a step boundary and off it.
+@example(
+    ops=[("append", 255), ("append", 1), ("append", 256), ("trim", 3), ("append", 257)], seed=0
+)
+@example(ops=[("append", 256), ("append", 255), ("append", 2)], seed=1)
 def test_kv_cache_equals_mlx_lm(ops, seed) -> None:
     """CACHE-3, CACHE-5: offsets, capacity (growth by 256) and fetches equal mlx-lm's."""
     ours, theirs = reference.KVCache(), mlx_lm_cache.KVCache()
