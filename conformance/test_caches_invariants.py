@@ -138,3 +138,59 @@ def test_an_append_encodes_its_positions_once(backend, read) -> None:
         k, v = random_kv(0, (1, 2, 1, 64), 64, BFLOAT16)
         getattr(cache, read)(backend.from_numpy(k), backend.from_numpy(v))
         assert len(calls) == 1, f"{type(cache).__name__}.{read} encoded {len(calls)} times"
+
+
+def _ring_after(backend, appends: int, keep: int):
+    """A RotatingKVCache(4, keep) after `appends` one-position appends."""
+    ring = backend.module("caches").RotatingKVCache(4, keep)
+    k, v = _span(0, 1)
+    for _ in range(appends):
+        ring.append_decode(backend.from_numpy(k), backend.from_numpy(v))
+    return ring
+
+
+#: A ring's state with one RING-1 invariant broken: (appends, keep, attribute, value, message).
+BROKEN_RINGS = {
+    "empty with an offset": (0, 0, "offset", 1, "empty ring holds positions"),
+    "empty with a ring index": (0, 0, "_index", 1, "empty ring holds positions"),
+    "ring index past the buffer": (6, 1, "_index", 5, "ring index 5 > length 4"),
+    "ring index off the offset before max_size": (2, 0, "_index", 1, "ring index 1 != offset 2"),
+    "ring index below keep once full": (6, 2, "_index", 1, "ring index 1 < keep 2"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_RINGS))
+def test_a_ring_with_an_invariant_broken_fails_its_check(backend, broken: str) -> None:
+    """RING-1: `check_invariants`, which every cache machine step runs, rejects each
+    invariant broken alone; a check that let one through would pass a wrong ring."""
+    appends, keep, attribute, value, message = BROKEN_RINGS[broken]
+    ring = _ring_after(backend, appends, keep)
+    ring.check_invariants()
+    setattr(ring, attribute, value)
+    with pytest.raises(AssertionError, match=message):
+        ring.check_invariants()
+
+
+def test_a_ring_at_the_edges_of_its_invariants_passes_its_check(backend) -> None:
+    """RING-1's bounds are inclusive where it says so: once offset reaches max_size the ring
+    index may be keep itself (the next append wraps there), and need not equal the offset."""
+    ring = _ring_after(backend, 4, 2)
+    ring._index = 2
+    ring.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("attribute", "message"),
+    [("offset", "empty storage holds positions"), ("_layout", "empty storage holds positions")],
+)
+def test_an_empty_growable_storage_holding_anything_fails_its_check(
+    backend, attribute: str, message: str
+) -> None:
+    """CACHE-3: storage with no fields holds no offset and no layout."""
+    donor = backend.module("caches").KVCache()
+    k, v = _span(0, 1)
+    donor.append_decode(backend.from_numpy(k), backend.from_numpy(v))
+    cache = backend.module("caches").KVCache()
+    setattr(cache, attribute, getattr(donor, attribute))
+    with pytest.raises(AssertionError, match=message):
+        cache.check_invariants()
