@@ -350,3 +350,25 @@ def test_restore_drops_prepared_padding(backend) -> None:
         cache.restore_state(source.state())
         cache.update_and_fetch(k, k)
         assert cache.left_padding == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "appends", [[1] * 3, [1] * 4, [1] * 5, [1] * 11, [3, 1, 1], [6, 1, 1, 1], [2, 5, 1]]
+)
+def test_ring_positions_names_the_position_each_row_holds(appends: list[int]) -> None:
+    """ROWS-6's `ring_positions`: a ring of 4 (keep 0) whose every key holds its own
+    position holds, at each live row, the position `ring_positions` gives, before and after
+    it wraps and after a span's append (RING-3) leaves more rows than max_size."""
+    ring = reference.RotatingKVCache(4)
+    offset = 0
+    for length in appends:
+        positions = np.arange(offset, offset + length, dtype=np.float32)
+        keys = np.broadcast_to(positions[None, None, :, None], (1, 1, length, 32)).copy()
+        if length > 1:
+            ring.append_window(keys, keys)
+        else:
+            ring.append_decode(keys, keys)
+        offset += length
+        held = ring.state().arrays[0][0, 0, :, 0]
+        named = reference.rotating.ring_positions(ring.offset, ring.ring_index, ring.length)
+        assert np.array_equal(held[: len(named)], named.astype(np.float32)), (held, named)

@@ -692,7 +692,10 @@ CATALOGUE = (
         "    wrapped = (rows >= ring_index) & (ring_index < offset)\n",
         "    wrapped = (rows >= ring_index) & (ring_index < 0)\n",
         "a wrapped ring's rows taken as in temporal order for padding and extract (ROWS-6, ROWS-8)",
-        (f"{ROWS}::test_rows_of_their_own_lengths_machine",),
+        (
+            f"{ROWS}::test_rows_of_their_own_lengths_machine",
+            f"{ROWS}::test_ring_positions_names_the_position_each_row_holds",
+        ),
     ),
     Mutant(
         "rows-trim-past-shortest",
