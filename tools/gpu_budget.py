@@ -5,7 +5,9 @@ starting tests past a deadline, and caps hypothesis's examples.
 Configured through the environment, so it can be named with `-p gpu_budget`:
 KVSPEC_GPU_LOG (the log's path), KVSPEC_GPU_STOP_AT (a time.time() after which no test
 starts), KVSPEC_GPU_EXAMPLES (the most examples per property; unset leaves the profile's),
-KVSPEC_GPU_PART (K/N: keep the K-th of N consecutive slices of the collected tests).
+KVSPEC_GPU_PART (K/N: keep the K-th of N consecutive slices of the collected tests),
+KVSPEC_GPU_FINISHED (a file of test ids, one a line, to leave out before the slicing: what
+earlier runs finished).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ LOG_ENV = "KVSPEC_GPU_LOG"
 STOP_AT_ENV = "KVSPEC_GPU_STOP_AT"
 EXAMPLES_ENV = "KVSPEC_GPU_EXAMPLES"
 PART_ENV = "KVSPEC_GPU_PART"
+FINISHED_ENV = "KVSPEC_GPU_FINISHED"
 #: The reason pytest prints when the budget stops the session.
 STOPPED = "the time budget is spent"
 
@@ -63,7 +66,13 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the part's slice of the collected tests."""
+    """Leave out the tests earlier runs finished, then keep the part's slice of the rest."""
+    finished_file = os.environ.get(FINISHED_ENV)
+    if finished_file:
+        with open(finished_file, encoding="utf-8") as listed:
+            finished = set(listed.read().splitlines())
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in finished])
+        items[:] = [item for item in items if item.nodeid not in finished]
     k, _, n = os.environ.get(PART_ENV, "1/1").partition("/")
     start, end = len(items) * (int(k) - 1) // int(n), len(items) * int(k) // int(n)
     config.hook.pytest_deselected(items=items[:start] + items[end:])

@@ -4,6 +4,7 @@ their summary as JSON and as a Markdown snippet for docs/gpu.md.
     .venv/bin/python tools/gpu_suite.py --budget 540              # on the GPU machine
     .venv/bin/python tools/gpu_suite.py --budget 540 --part 2/3 --out part2
     .venv/bin/python tools/gpu_suite.py --merge part1 part2 part3 --out gpu-suite
+    .venv/bin/python tools/gpu_suite.py --budget 540 --rest-of part1 part2 --out part4
 
 One pytest run over GPU_TESTS in their order (the CUDA kernels first, so that a short
 budget reaches them), under the quick hypothesis profile with at most --examples examples
@@ -12,7 +13,9 @@ running when the budget is spent is stopped with the run and reported as interru
 Where MLX has no CUDA device the CUDA-only tests skip and the rest run on the CPU.
 `--part K/N` runs the K-th of N consecutive slices of the collected tests (neighbours
 share kernel instances, which NVRTC compiles once per process), so several calls can
-cover the selection; `--merge` adds their summaries into one.
+cover the selection; `--rest-of DIR...` leaves out what earlier runs (their tests.jsonl)
+passed or skipped, so that a run cut short by its budget is taken up where it stopped;
+`--merge` adds their summaries into one.
 
 Writes OUT/summary.json, OUT/summary.md (the snippet), OUT/tests.jsonl (each test's start
 and outcome, as they happened) and OUT/pytest.txt (pytest's output). Exit status: 0 when
@@ -106,14 +109,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--part", type=part, default=(1, 1), help="run slice K of N of the tests (default 1/1)"
     )
     parser.add_argument(
+        "--rest-of",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="leave out the tests these earlier runs passed or skipped",
+    )
+    parser.add_argument(
         "--merge", nargs="+", type=Path, metavar="DIR", help="add up these runs' summaries"
     )
     parser.add_argument("--out", type=Path, default=Path("gpu-suite"), help="summary folder")
     parser.add_argument("tests", nargs="*", help="pytest node ids to run instead of GPU_TESTS")
     args = parser.parse_args(argv)
     if args.merge:
-        if args.budget is not None or args.tests:
-            parser.error("--merge takes summary folders only, no --budget or tests")
+        if args.budget is not None or args.tests or args.rest_of:
+            parser.error("--merge takes summary folders only, no --budget, --rest-of or tests")
         return args
     if args.budget is None or args.budget <= 0:
         parser.error("--budget must be given and positive")
@@ -126,8 +137,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def run_pytest(args: argparse.Namespace, tests: Sequence[str], log: Path) -> tuple[int, bool]:
-    """pytest's exit status, and whether the budget stopped it while a test ran."""
+def run_pytest(
+    args: argparse.Namespace, tests: Sequence[str], log: Path, done: set[str]
+) -> tuple[int, bool]:
+    """pytest's exit status, and whether the budget stopped it while a test ran; the tests
+    in `done` are left out."""
     began = time.time()
     env = {
         **os.environ,
@@ -140,6 +154,10 @@ def run_pytest(args: argparse.Namespace, tests: Sequence[str], log: Path) -> tup
         gpu_budget.EXAMPLES_ENV: str(args.examples),
         gpu_budget.PART_ENV: "{}/{}".format(*args.part),
     }
+    if done:
+        listed = args.out / "finished.txt"
+        listed.write_text("".join(f"{test_id}\n" for test_id in sorted(done)))
+        env[gpu_budget.FINISHED_ENV] = str(listed)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     with open(args.out / "pytest.txt", "w", encoding="utf-8") as output:
         try:
@@ -181,6 +199,16 @@ def outcomes(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             elif outcome == "skipped":
                 test["outcome"] = "skipped"
     return tests
+
+
+def finished(folders: Sequence[Path]) -> set[str]:
+    """The tests these runs' logs (DIR/tests.jsonl) say passed or were skipped."""
+    done: set[str] = set()
+    for folder in folders:
+        lines = (folder / "tests.jsonl").read_text(encoding="utf-8").splitlines()
+        tests = outcomes([json.loads(line) for line in lines if line])
+        done.update(i for i, test in tests.items() if test["outcome"] in ("passed", "skipped"))
+    return done
 
 
 def summarize(
@@ -319,10 +347,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"gpu_suite.py: {error}", file=sys.stderr)
             return 2
     else:
+        try:
+            done = finished(args.rest_of)
+        except (OSError, ValueError) as error:
+            print(f"gpu_suite.py: {error}", file=sys.stderr)
+            return 2
         log = args.out / "tests.jsonl"
         log.write_text("")
         began = time.monotonic()
-        pytest_exit, killed = run_pytest(args, args.tests or [n for n, _ in GPU_TESTS], log)
+        tests = args.tests or [n for n, _ in GPU_TESTS]
+        pytest_exit, killed = run_pytest(args, tests, log, done)
         elapsed = time.monotonic() - began
         events = [json.loads(line) for line in log.read_text().splitlines() if line]
         summary = summarize(args, argv, events, pytest_exit, killed, elapsed)

@@ -1,6 +1,7 @@
 """tools/gpu_suite.py: a run within its budget writes its summary; a budget too short to
-start a test says so; parts cover the selection once and merge into one summary; the
-selection names files that exist and docs/gpu.md lists them."""
+start a test says so; parts cover the selection once and merge into one summary; a run
+takes up the rest of others; the selection names files that exist and docs/gpu.md lists
+them."""
 
 from __future__ import annotations
 
@@ -61,6 +62,20 @@ def test_parts_cover_the_tests_once_and_merge(tmp_path: Path) -> None:
     assert set(summary["files"]) == {test.partition("::")[0] for test in TESTS}
 
 
+def test_a_run_takes_up_the_rest_of_another(tmp_path: Path) -> None:
+    """--rest-of leaves out what the runs named passed or skipped: after a run of the first
+    half, the rest of it runs the other test alone; a folder with no log is bad usage."""
+    first, rest = tmp_path / "first", tmp_path / "rest"
+    assert gpu_suite.main(["--budget", "120", "--part", "1/2", "--out", str(first), *TESTS]) == 0
+    argv = ["--budget", "120", "--rest-of", str(first), "--out", str(rest), *TESTS]
+    assert gpu_suite.main(argv) == 0
+    assert gpu_suite.finished([first]) == {TESTS[0]}
+    assert gpu_suite.finished([rest]) == {TESTS[1]}
+    assert gpu_suite.finished([first, rest]) == set(TESTS)
+    argv = ["--budget", "120", "--rest-of", str(tmp_path / "none"), "--out", str(rest), *TESTS]
+    assert gpu_suite.main(argv) == 2
+
+
 def test_outcomes_from_the_log() -> None:
     """A test started but never reported (its run killed at the budget) is interrupted; a
     failing setup is an error; a collection error counts as one."""
@@ -104,6 +119,7 @@ def test_outcomes_from_the_log() -> None:
         ["--budget", "10", "--examples", "0"],
         ["--budget", "10", "--part", "3/2"],
         ["--merge", "a", "--budget", "10"],
+        ["--merge", "a", "--rest-of", "b"],
     ],
 )
 def test_bad_usage_exits_2(argv: list[str]) -> None:
