@@ -147,6 +147,29 @@ def test_kv4_rejects_other_head_dims(backend) -> None:
     assert cache.offset == 0 and cache.state().arrays == ()
 
 
+@pytest.mark.parametrize(("k_dim", "v_dim"), [(128, 128), (256, 128), (128, 256)])
+def test_kv4_refuses_other_head_dims_in_an_append_or_a_state(backend, k_dim, v_dim) -> None:
+    """B16F-3, B16F-6: keys or values of another head_dim than 256, either alone, are
+    refused by an append and by a restored state, and leave the cache as it was; 256 for
+    both is taken."""
+    caches = backend.module("caches")
+    k = random_kv(0, (1, 1, 2, k_dim), k_dim, BFLOAT16)[0]
+    v = random_kv(1, (1, 1, 2, v_dim), v_dim, BFLOAT16)[0]
+    plain = caches.KVCache()
+    plain.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    cache = caches.Bf16FirstKv4Head256Cache(8)
+    with pytest.raises(ValueError, match="takes head_dim 256"):
+        cache.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    with pytest.raises(ValueError, match="takes head_dim 256"):
+        cache.restore_state(plain.state())
+    assert cache.offset == 0 and cache.state().arrays == ()
+    k, v = (random_kv(2, (1, 1, 2, 256), 256, BFLOAT16)[0] for _ in range(2))
+    plain = caches.KVCache()
+    plain.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+    cache.restore_state(plain.state())
+    assert cache.offset == 2
+
+
 def test_first_window_reads_refuse_after_the_switch(backend) -> None:
     """READ-6: bidirectional and encoder reads need the first window."""
     cache = backend.module("caches").Bf16FirstQuantizedKVCache(32, 4, 0)
