@@ -71,8 +71,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if finished_file:
         with open(finished_file, encoding="utf-8") as listed:
             finished = set(listed.read().splitlines())
-        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in finished])
+        left_out = [item for item in items if item.nodeid in finished]
+        config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if item.nodeid not in finished]
+        _log({"event": "left-out", "count": len(left_out)})
     k, _, n = os.environ.get(PART_ENV, "1/1").partition("/")
     start, end = len(items) * (int(k) - 1) // int(n), len(items) * int(k) // int(n)
     config.hook.pytest_deselected(items=items[:start] + items[end:])

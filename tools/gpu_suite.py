@@ -19,7 +19,7 @@ passed or skipped, so that a run cut short by its budget is taken up where it st
 
 Writes OUT/summary.json, OUT/summary.md (the snippet), OUT/tests.jsonl (each test's start
 and outcome, as they happened) and OUT/pytest.txt (pytest's output). Exit status: 0 when
-every selected test ran and none failed, 1 when a test failed, erred or was interrupted
+every selected test ran and none failed (or `--rest-of` left none), 1 when a test failed, erred or was interrupted
 (or pytest could not run), 2 on bad usage, 3 when the budget ran out first.
 """
 
@@ -79,6 +79,9 @@ GPU_TESTS = (
 PLATFORM = ("mlx", "hypothesis", "device", "default_device", "fused_kernels")
 #: pytest's exit statuses for an internal error, bad usage and no tests collected.
 USAGE_EXITS = (3, 4, 5)
+NOTHING_COLLECTED = 5
+#: How a run stopped that `--rest-of` left nothing to run.
+NOTHING_LEFT = "nothing left"
 #: Outcomes a test can end with here, in the order the summaries list them.
 OUTCOMES = ("passed", "failed", "error", "skipped", "interrupted", "not run")
 
@@ -228,10 +231,13 @@ def summarize(
         counts[test["outcome"]] += 1
         counts["seconds"] += test["seconds"]
     counts = Counter(test["outcome"] for test in tests.values())
+    left_out = sum(event["count"] for event in events if event["event"] == "left-out")
     if killed:
         stopped = "killed at the budget"
     elif counts["not run"]:
         stopped = "budget"
+    elif left_out and not tests and pytest_exit == NOTHING_COLLECTED:
+        stopped = NOTHING_LEFT
     else:
         stopped = "complete"
     run = {
@@ -242,6 +248,7 @@ def summarize(
         "elapsed_s": round(elapsed, 1),
         "stopped": stopped,
         "pytest_exit": pytest_exit,
+        "left_out": left_out,
     }
     return {
         "date": run["date"],
@@ -298,7 +305,9 @@ def markdown(summary: dict[str, Any]) -> str:
     counts = ", ".join(f"{n} {outcome}" for outcome, n in summary["counts"].items())
     kernels = {True: "fused kernels on", False: "fused kernels off"}
     runs = "; ".join(
-        f"`{run['command']}` ({run['elapsed_s']:.0f} s of {run['budget_s']:.0f}, {run['stopped']})"
+        f"`{run['command']}` ({run['elapsed_s']:.0f} s of {run['budget_s']:.0f}, {run['stopped']}"
+        + (f", {run['left_out']} finished before left out" if run.get("left_out") else "")
+        + ")"
         for run in summary["runs"]
     )
     lines = [
@@ -315,7 +324,7 @@ def markdown(summary: dict[str, Any]) -> str:
         cells = " | ".join(str(file_counts.get(outcome, 0)) for outcome in OUTCOMES)
         lines.append(f"| {name} | {cells} | {file_counts.get('seconds', 0):.0f} |")
     for run in summary["runs"]:
-        if run["pytest_exit"] in USAGE_EXITS:
+        if run["pytest_exit"] in USAGE_EXITS and run["stopped"] != NOTHING_LEFT:
             lines += ["", f"`{run['command']}`: pytest exited with {run['pytest_exit']}."]
     if summary["skip_reasons"]:
         lines.append("")
@@ -327,11 +336,17 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def exit_status(summary: dict[str, Any]) -> int:
-    """0 all ran and passed, 1 a problem (or pytest could not run), 3 the budget ran out."""
+    """0 all ran and passed (or `--rest-of` left none to run), 1 a problem (or pytest could
+    not run), 3 the budget ran out."""
     counts = summary["counts"]
+    if all(run["stopped"] == NOTHING_LEFT for run in summary["runs"]):
+        return 0
     if counts["failed"] or counts["error"] or counts["interrupted"] or not summary["files"]:
         return 1
-    if any(run["pytest_exit"] in USAGE_EXITS for run in summary["runs"]):
+    if any(
+        run["pytest_exit"] in USAGE_EXITS and run["stopped"] != NOTHING_LEFT
+        for run in summary["runs"]
+    ):
         return 1
     return 3 if counts["not run"] else 0
 

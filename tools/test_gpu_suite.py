@@ -64,7 +64,8 @@ def test_parts_cover_the_tests_once_and_merge(tmp_path: Path) -> None:
 
 def test_a_run_takes_up_the_rest_of_another(tmp_path: Path) -> None:
     """--rest-of leaves out what the runs named passed or skipped: after a run of the first
-    half, the rest of it runs the other test alone; a folder with no log is bad usage."""
+    half, the rest of it runs the other test alone, and after both nothing is left, which
+    is no failure; a folder with no log is bad usage."""
     first, rest = tmp_path / "first", tmp_path / "rest"
     assert gpu_suite.main(["--budget", "120", "--part", "1/2", "--out", str(first), *TESTS]) == 0
     argv = ["--budget", "120", "--rest-of", str(first), "--out", str(rest), *TESTS]
@@ -72,6 +73,21 @@ def test_a_run_takes_up_the_rest_of_another(tmp_path: Path) -> None:
     assert gpu_suite.finished([first]) == {TESTS[0]}
     assert gpu_suite.finished([rest]) == {TESTS[1]}
     assert gpu_suite.finished([first, rest]) == set(TESTS)
+    (run,) = _summary(rest)["runs"]
+    assert run["left_out"] == 1 and run["stopped"] == "complete"
+    argv = [
+        "--budget",
+        "120",
+        "--rest-of",
+        str(first),
+        str(rest),
+        "--out",
+        str(tmp_path / "none_left"),
+    ]
+    assert gpu_suite.main([*argv, *TESTS]) == 0
+    (run,) = _summary(tmp_path / "none_left")["runs"]
+    assert run["left_out"] == 2 and run["stopped"] == "nothing left"
+    assert "2 finished before left out" in (tmp_path / "none_left" / "summary.md").read_text()
     argv = ["--budget", "120", "--rest-of", str(tmp_path / "none"), "--out", str(rest), *TESTS]
     assert gpu_suite.main(argv) == 2
 
