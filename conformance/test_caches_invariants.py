@@ -194,3 +194,27 @@ def test_an_empty_growable_storage_holding_anything_fails_its_check(
     setattr(cache, attribute, getattr(donor, attribute))
     with pytest.raises(AssertionError, match=message):
         cache.check_invariants()
+
+
+#: A padded batch's left padding with one ROWS-5 invariant broken, and the check's message.
+BROKEN_PADDING = {
+    "a count too many": ((0, 3, 1), "is not one per row"),
+    "no row unpadded": ((1, 2), "leaves no row unpadded"),
+    "past the offset": ((0, 4), "exceeds the offset"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_PADDING))
+def test_a_padded_batch_with_a_broken_padding_fails_its_check(backend, broken: str) -> None:
+    """ROWS-5: one count per row, at most the offset, one row unpadded; a prepared padding
+    whose largest count is the first append's whole length is a batch (ROWS-11)."""
+    padding, message = BROKEN_PADDING[broken]
+    cache = backend.module("caches").KVCache()
+    cache.prepare(left_padding=[0, 3])
+    k, v = random_kv(0, (2, 1, 3, 32), 32, BFLOAT16)
+    cache.append_window(backend.from_numpy(k), backend.from_numpy(v))
+    assert cache.left_padding == (0, 3)
+    cache.check_invariants()
+    cache._left_padding = padding
+    with pytest.raises(AssertionError, match=message):
+        cache.check_invariants()

@@ -372,3 +372,19 @@ def test_ring_positions_names_the_position_each_row_holds(appends: list[int]) ->
         held = ring.state().arrays[0][0, 0, :, 0]
         named = reference.rotating.ring_positions(ring.offset, ring.ring_index, ring.length)
         assert np.array_equal(held[: len(named)], named.astype(np.float32)), (held, named)
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache"])
+def test_a_prepared_padding_takes_a_first_append_as_long_as_its_largest_count(
+    backend, kind: str
+) -> None:
+    """ROWS-11: the first append after `prepare` has at least max(counts) positions: one
+    fewer is refused and changes nothing; as many is taken, a row all padding."""
+    cache = getattr(backend.module("caches"), kind)(*([8] if kind == "RotatingKVCache" else []))
+    cache.prepare(left_padding=[0, 3])
+    k, v = random_kv(0, (2, 1, 3, 32), 32, FLOAT_DTYPES["bfloat16"])
+    with pytest.raises(ValueError, match="the prepared left padding"):
+        cache.append_window(backend.from_numpy(k[:, :, :2]), backend.from_numpy(v[:, :, :2]))
+    assert cache.offset == 0 and cache.state().arrays == ()
+    cache.append_window(backend.from_numpy(k), backend.from_numpy(v))
+    assert cache.offset == 3 and cache.left_padding == (0, 3)
