@@ -19,8 +19,9 @@ passed or skipped, so that a run cut short by its budget is taken up where it st
 
 Writes OUT/summary.json, OUT/summary.md (the snippet), OUT/tests.jsonl (each test's start
 and outcome, as they happened) and OUT/pytest.txt (pytest's output). Exit status: 0 when
-every selected test ran and none failed (or `--rest-of` left none), 1 when a test failed, erred or was interrupted
-(or pytest could not run), 2 on bad usage, 3 when the budget ran out first.
+every selected test ran and none failed (or `--rest-of` left none), 1 when a test failed,
+erred or was interrupted (or pytest could not run), 2 on bad usage, 3 when the budget ran
+out first.
 """
 
 from __future__ import annotations
