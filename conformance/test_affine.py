@@ -161,6 +161,20 @@ def test_bad_input_is_rejected(backend, side, w, group_size, bits, message) -> N
     np.testing.assert_array_equal(w, before)
 
 
+@pytest.mark.parametrize("side", ["reference", "backend"])
+def test_dequantize_refuses_biases_unlike_the_scales(backend, side) -> None:
+    """AFF-6: scales and biases share one dtype and one shape; either differing alone
+    raises."""
+    affine = reference if side == "reference" else backend.module("affine")
+    from_numpy = np.array if side == "reference" else backend.from_numpy
+    wq, scales, biases = reference.quantize(np.ones((2, 128), np.float32), 64, 4)
+    args = (from_numpy(wq), from_numpy(scales))
+    affine.dequantize(*args, from_numpy(biases), 64, 4)
+    for bad in (biases.astype(np.float16), biases[:, :1]):
+        with pytest.raises(ValueError, match="share one dtype and shape"):
+            affine.dequantize(*args, from_numpy(bad), 64, 4)
+
+
 def test_no_rows(backend) -> None:
     """An array with no rows stores empty fields of the right shapes (AFF-5)."""
     w = np.zeros((2, 0, 128), np.float32)

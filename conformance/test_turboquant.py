@@ -253,6 +253,115 @@ def test_decode_rejects_a_mismatched_head_dim(backend) -> None:
         tq.decode(stored, 3, 128)
 
 
+def _codec(backend, side: str):
+    """The module under test on one side, and how its arrays meet NumPy's."""
+    if side == "reference":
+        return reference, np.array, np.asarray
+    return backend.module("turboquant"), backend.from_numpy, backend.to_numpy
+
+
+def _with_field(stored, name: str, value: np.ndarray, from_numpy):
+    fields = {field: getattr(stored, field) for field in FIELDS}
+    return type(stored)(**{**fields, name: from_numpy(value)})
+
+
+def _malformed_fields() -> list[tuple[str, str, np.ndarray, str]]:
+    """One condition of TQ-10's acceptance broken alone, at head_dim 128: 8-bit keys
+    (int8, 128 bytes) and 4-bit values (uint8, 64 bytes) are the well-formed ones."""
+    return [
+        ("keys_8_bit_as_uint8", "k_idx", np.zeros((1, 1, 2, 128), np.uint8), "key"),
+        ("keys_3_bit_as_int8", "k_idx", np.zeros((1, 1, 2, 48), np.int8), "key"),
+        ("keys_width_off_by_one", "k_idx", np.zeros((1, 1, 2, 49), np.uint8), "key"),
+        ("keys_of_6_bits", "k_idx", np.zeros((1, 1, 2, 96), np.uint8), "key"),
+        ("values_as_int8", "v_packed", np.zeros((1, 1, 2, 64), np.int8), "value"),
+        ("values_width_off_by_one", "v_packed", np.zeros((1, 1, 2, 49), np.uint8), "value"),
+        ("values_of_6_bits", "v_packed", np.zeros((1, 1, 2, 96), np.uint8), "value"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "side_named"),
+    [case[1:] for case in _malformed_fields()],
+    ids=[case[0] for case in _malformed_fields()],
+)
+@pytest.mark.parametrize("side", ["reference", "backend"])
+def test_a_stored_tensor_is_refused_for_each_condition_alone(
+    backend, side, field, value, side_named
+) -> None:
+    """TQ-10: the widths follow from the fields, and a field is accepted only with the
+    dtype and width of its width; each condition broken alone raises."""
+    tq, from_numpy, _ = _codec(backend, side)
+    x = from_numpy(np.ones((1, 1, 2, 128), np.float32))
+    stored = tq.encode(x, x, 8, 4)
+    assert tq.stored_bits(stored, 128) == (8, 4)
+    malformed = _with_field(stored, field, value, from_numpy)
+    with pytest.raises(ValueError, match=f"is no {side_named} code width"):
+        tq.stored_bits(malformed, 128)
+    with pytest.raises(ValueError, match=f"is no {side_named} code width"):
+        tq.decode(malformed, 2, 128)
+
+
+@pytest.mark.parametrize("side", ["reference", "backend"])
+def test_group_fields_are_float16_with_one_per_block(backend, side) -> None:
+    """TQ-5, TQ-8: scales and zero points are float16, D / 32 of them per vector."""
+    tq, from_numpy, _ = _codec(backend, side)
+    indices = from_numpy(np.zeros((2, 64), np.uint8))
+    good = np.ones((2, 2), np.float16)
+    tq.decode_keys(indices, from_numpy(good), from_numpy(good))
+    tq.decode_values_rotated(indices, from_numpy(good), 4)
+    for bad in (good.astype(np.float32), np.ones((2, 3), np.float16)):
+        with pytest.raises(ValueError, match="expected float16 group fields of 2"):
+            tq.decode_keys(indices, from_numpy(good), from_numpy(bad))
+        with pytest.raises(ValueError, match="expected float16 group fields of 2"):
+            tq.decode_keys(indices, from_numpy(bad), from_numpy(good))
+        with pytest.raises(ValueError, match="expected float16 group fields of 2"):
+            tq.decode_values_rotated(indices, from_numpy(bad), 4)
+
+
+@pytest.mark.parametrize("side", ["reference", "backend"])
+def test_a_value_index_past_the_codebook_is_refused(backend, side) -> None:
+    """TQ-8: an index reads a centroid of the codebook; 2^bits or more raises."""
+    tq, from_numpy, _ = _codec(backend, side)
+    scales = from_numpy(np.ones((1, 2), np.float16))
+    last = np.zeros((1, 64), np.uint8)
+    last[0, 7] = 3
+    tq.decode_values_rotated(from_numpy(last), scales, 2)
+    past = last.copy()
+    past[0, 7] = 4
+    with pytest.raises(ValueError, match="beyond the 4 centroids"):
+        tq.decode_values_rotated(from_numpy(past), scales, 2)
+
+
+@pytest.mark.parametrize("side", ["reference", "backend"])
+@pytest.mark.parametrize("bits", [0, 1, 6, 7, 9])
+def test_packing_takes_only_the_formats_widths(backend, side, bits) -> None:
+    """TQ-9: packed_dim, pack_bits and unpack_bits take the widths of KEY_BITS and
+    VALUE_BITS alone."""
+    tq, from_numpy, _ = _codec(backend, side)
+    codes = from_numpy(np.zeros((1, 64), np.uint8))
+    with pytest.raises(ValueError, match="bits must be one of"):
+        tq.packed_dim(64, bits)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        tq.pack_bits(codes, bits)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        tq.unpack_bits(codes, bits, 64)
+
+
+@pytest.mark.parametrize("side", ["reference", "backend"])
+def test_one_vector_is_encoded_as_a_row_of_one(backend, side) -> None:
+    """TQ-3: encode_keys and encode_values take any array whose last axis is D, a single
+    vector included; an array with no axis is refused."""
+    tq, from_numpy, to_numpy = _codec(backend, side)
+    vector = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
+    for encode in (lambda x: tq.encode_keys(x, 4), lambda x: tq.encode_values(x, 4)):
+        alone = encode(from_numpy(vector))
+        as_row = encode(from_numpy(vector[None]))
+        for got, expected in zip(alone, as_row, strict=True):
+            assert_same_bits(to_numpy(got), to_numpy(expected)[0], "a vector alone")
+        with pytest.raises(ValueError, match="must have a head_dim axis"):
+            encode(from_numpy(np.float32(1.0)))
+
+
 # TQ-11: edge cases.
 
 
