@@ -3,6 +3,8 @@ scheme names per layer, on the backend."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -46,6 +48,8 @@ def test_parse(text, expected) -> None:
         "",
         "bf8",
         "bf16:start=4",
+        "start=4",
+        "start=",
         "affine:4",
         "affine:7:64",
         "affine:4:48",
@@ -93,6 +97,25 @@ def test_turbo_sliding_layers_stay_plain_with_one_warning(backend, monkeypatch) 
         compose.composed_sliding_attention_cache(TurboScheme(8, 4), 1, 8)
     assert isinstance(first, backend.module("caches").RotatingKVCache)
     assert len([w for w in caught if "sliding-window layers stay bf16" in str(w.message)]) == 1
+
+
+def test_a_process_warns_at_its_first_turbo_sliding_layer() -> None:
+    """SCHEME-3: once per process, and from the first sliding layer a process composes
+    (the test above resets the flag; a new process starts with it)."""
+    code = (
+        "import warnings\n"
+        "from kvspec.reference import caches\n"
+        "from kvspec.reference.caches.scheme import TurboScheme, sliding_attention_cache\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for layer in range(3):\n"
+        "        sliding_attention_cache(TurboScheme(8, 4), layer, 8, caches)\n"
+        "print(sum('sliding-window layers stay bf16' in str(w.message) for w in caught))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "1"
 
 
 @pytest.mark.parametrize("kernels", ["dense", "deferred"])
