@@ -164,6 +164,16 @@ def test_garbage_is_refused(backend) -> None:
     _refused(backend, struct.pack("<Q", 2**63) + b"{}", "exceeds")
 
 
+def test_a_safetensors_file_of_neither_format_is_named_so(backend) -> None:
+    """PERSIST-3, PERSIST-9: a well-formed safetensors file without kvspec's document is not
+    a kvspec caches file, and is not called mlx-lm's unless it has mlx-lm's class entries."""
+    with _folder() as folder:
+        path = os.path.join(folder, "weights.safetensors")
+        mx.save_safetensors(path, {"w": mx.zeros((2,))}, {"format": "pt"})
+        with open(path, "rb") as f:
+            _refused(backend, f.read(), "is not a kvspec caches file")
+
+
 def _header_length(data: bytes) -> int:
     return 8 + int.from_bytes(data[:8], "little")
 
@@ -211,9 +221,9 @@ def _tampered(
         document = json.loads(header.metadata[reference.DOCUMENT_KEY])
         edit(document, tensors)
         for layer, record in enumerate(document["caches"]):
-            for slot, array in enumerate(record["arrays"]):
+            for slot, array in enumerate(record["arrays"] if isinstance(record, dict) else []):
                 name = f"{layer}.{slot}"
-                if name in tensors:
+                if name in tensors and isinstance(array, dict):
                     stored = np.ascontiguousarray(tensors[name]).tobytes()
                     array["sha256"] = hashlib.sha256(stored).hexdigest()
         metadata = {
@@ -285,6 +295,32 @@ def _padding_in_version_1(document: dict, tensors: dict) -> None:
     document["caches"][_layer(document, "KVCache")]["left_padding"] = [0]
 
 
+def _padding_of_no_rows(document: dict, tensors: dict) -> None:
+    document["version"] = 2
+    document["caches"][_layer(document, "KVCache")]["left_padding"] = []
+
+
+def _record_of_a_number(document: dict, tensors: dict) -> None:
+    document["caches"].append(1)
+
+
+def _array_of_a_string(document: dict, tensors: dict) -> None:
+    document["caches"][_layer(document, "KVCache")]["arrays"][0] = "keys"
+
+
+def _array_record(document: dict, kind: str, slot: int) -> dict:
+    return document["caches"][_layer(document, kind)]["arrays"][slot]
+
+
+def _array_dtype_alone(document: dict, tensors: dict) -> None:
+    record = _array_record(document, "KVCache", 0)
+    record["dtype"] = "F16" if record["dtype"] != "F16" else "F32"
+
+
+def _array_shape_alone(document: dict, tensors: dict) -> None:
+    _array_record(document, "KVCache", 0)["shape"].append(1)
+
+
 TAMPERS = {
     "format version 3": (_version, "format version 3"),
     "left padding in a version 1 file": (_padding_in_version_1, "needs format version 2"),
@@ -307,6 +343,12 @@ TAMPERS = {
     "unsupported parameter": (_set_parameter("QuantizedKVCache", "bits", 7), "bits"),
     "boolean parameter": (_set_parameter("RotatingKVCache", "keep", True), "keep"),
     "tensor of no cache": (_extra_tensor, "belong to no cache"),
+    "another format": (lambda document, tensors: document.update(format="other"), "format"),
+    "left padding of no rows": (_padding_of_no_rows, "left_padding is \\[\\]"),
+    "a record that is not a map": (_record_of_a_number, "not a list of records"),
+    "an array that is not a map": (_array_of_a_string, "missing"),
+    "an array's dtype alone": (_array_dtype_alone, "the document"),
+    "an array's shape alone": (_array_shape_alone, "the document"),
 }
 
 
@@ -333,25 +375,67 @@ def _hostile(entries: dict[str, Any], data: bytes = b"") -> bytes:
     return struct.pack("<Q", len(text)) + text + data
 
 
-@pytest.mark.parametrize(
-    "entries",
-    [
+#: A well-formed tensor of the 16 data bytes the hostile headers below are given.
+SIXTEEN_BYTES = {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]}
+
+#: Headers each wrong in one way, and what the refusal must name.
+HOSTILE_HEADERS = {
+    "huge-shape": (
         {"0.0": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 16]}},
-        {"0.0": {"dtype": "U8", "shape": [2**62], "data_offsets": [0, 2**62]}},
-        {
-            "0.0": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]},
-            "0.1": {"dtype": "U8", "shape": [16], "data_offsets": [8, 24]},
-        },
-        {"0.0": {"dtype": "U8", "shape": [-16], "data_offsets": [0, 16]}},
-        {"0.0": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}},
-        {"0.0": {"dtype": "U8", "shape": [8], "data_offsets": [8, 16]}},
-    ],
-    ids=["huge-shape", "huge-offsets", "overlap", "negative", "unknown-dtype", "gap"],
-)
-def test_hostile_header_is_refused_before_reading(backend, entries) -> None:
-    """PERSIST-2: declared sizes and offsets are held against the file's size first."""
+        "0.0",
+    ),
+    "huge-offsets": ({"0.0": {"dtype": "U8", "shape": [2**62], "data_offsets": [0, 2**62]}}, "0.0"),
+    "overlap": (
+        {"0.0": SIXTEEN_BYTES, "0.1": {"dtype": "U8", "shape": [16], "data_offsets": [8, 24]}},
+        "0.1",
+    ),
+    "negative": ({"0.0": {"dtype": "U8", "shape": [-16], "data_offsets": [0, 16]}}, "0.0"),
+    "unknown-dtype": ({"0.0": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}}, "0.0"),
+    "gap": ({"0.0": {"dtype": "U8", "shape": [8], "data_offsets": [8, 16]}}, "0.0"),
+    # Sizes that add up, each with one field that is not a count or pair of counts.
+    "boolean-in-shape": (
+        {"0.0": {"dtype": "U8", "shape": [16, True], "data_offsets": [0, 16]}},
+        "shape",
+    ),
+    "three-offsets": (
+        {"0.0": {"dtype": "U8", "shape": [16], "data_offsets": [0, 8, 16]}},
+        "data_offsets",
+    ),
+    "metadata-of-a-number": ({"__metadata__": {"n": 1}, "0.0": SIXTEEN_BYTES}, "__metadata__"),
+    "metadata-a-list": ({"__metadata__": ["n"], "0.0": SIXTEEN_BYTES}, "__metadata__"),
+}
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE_HEADERS))
+def test_hostile_header_is_refused_before_reading(backend, hostile: str) -> None:
+    """PERSIST-2: declared sizes and offsets are held against the file's size first, and
+    every field has the form it must have: the refusal names what is wrong."""
+    entries, named = HOSTILE_HEADERS[hostile]
     message = _refused(backend, _hostile(entries, bytes(16)), "not a readable safetensors")
-    assert "0.0" in message or "0.1" in message
+    assert named in message
+
+
+@pytest.mark.parametrize("room", [-1, 0])
+def test_a_header_is_held_to_the_limit(backend, saved_file, monkeypatch, room: int) -> None:
+    """PERSIST-2: N <= min(file size - 8, 100 MiB); here the limit made N + room bytes."""
+    path, data = saved_file
+    monkeypatch.setattr(reference, "MAX_HEADER_BYTES", _header_length(data) - 8 + room)
+    if room < 0:
+        _refused(backend, data, "header length")
+    else:
+        assert len(backend.module("persistence").load_caches(path).caches) == len(KINDS)
+
+
+def test_a_digest_of_other_characters_is_a_checksum_mismatch(backend, saved_file) -> None:
+    """PERSIST-4: the digest is 64 lowercase hex digits. 64 characters of which one is not
+    (an "A" written as the JSON escape \\u0041, which the digest's field as a writer writes it
+    does not match) are a mismatch like any other, not a header without the field."""
+    _, data = saved_file
+    field = f'"{reference.DIGEST_KEY}":"'.encode()
+    at = data.index(field) + len(field)
+    header = data[8:at] + b"\\u0041" + b"0" * 63 + data[at + 64 : _header_length(data)]
+    edited = struct.pack("<Q", len(header)) + header + data[_header_length(data) :]
+    _refused(backend, edited, "header checksum")
 
 
 def test_expectations(backend, saved_file) -> None:
@@ -522,6 +606,34 @@ def test_mlx_lm_file_of_other_classes_is_refused(backend) -> None:
         mlx_lm_cache.save_prompt_cache(adapter_path, [adapter_cache])
         with pytest.raises(ValueError, match=r"mlx_lm\.load_prompt_cache"):
             backend.module("persistence").load_mlx_lm_prompt_cache(adapter_path)
+
+
+@pytest.mark.parametrize("reader", ["reference", "backend"])
+def test_an_mlx_lm_integer_is_one_signed_integer(backend, reader: str) -> None:
+    """PERSIST-9: an offset of another dtype or size, or none, is refused; an int32 -1 is
+    read as -1 (and then refused by the cache's invariants), not as 2^32 - 1."""
+    persistence = _persistence(backend, reader)
+    cache = mlx_lm_cache.KVCache()
+    k = mx.zeros((1, 1, 3, 64))
+    cache.update_and_fetch(k, k)
+    offsets = [  # a float, a pair, none, minus one
+        (mx.array(3.0), "0.2 is not an integer scalar"),
+        (mx.array([3, 3], mx.int32), "0.2 is not an integer scalar"),
+        (None, "0.2 is not an integer scalar"),
+        (mx.array(-1, mx.int32), "offset=-1 "),
+    ]
+    with _folder() as folder:
+        path = os.path.join(folder, "prompt.safetensors")
+        mlx_lm_cache.save_prompt_cache(path, [cache])
+        arrays, metadata = mx.load(path, return_metadata=True)
+        assert arrays["0.2"].dtype == mx.int32 and arrays["0.2"].ndim == 0
+        for offset, match in offsets:
+            edited = {key: a for key, a in arrays.items() if key != "0.2"}
+            if offset is not None:
+                edited["0.2"] = offset
+            mx.save_safetensors(path, edited, metadata)
+            with pytest.raises(ValueError, match=match):
+                persistence.load_mlx_lm_prompt_cache(path)
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_FILES))

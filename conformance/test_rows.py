@@ -119,8 +119,33 @@ def test_refusals(backend) -> None:
     converted = _filled(family, lambda m: m.Bf16FirstQuantizedKVCache(32, 4, 3), 1, [3])
     with pytest.raises(ValueError, match="one layout"):
         rows.merge([plain, converted])
+    # The parameters alone (two starts, neither converted), then the signature alone (one
+    # start, one row converted).
+    earlier = _filled(family, lambda m: m.Bf16FirstQuantizedKVCache(32, 4, 50), 1, [3])
+    with pytest.raises(ValueError, match="one layout"):
+        rows.merge([plain, earlier])
+    not_yet = _filled(family, lambda m: m.Bf16FirstQuantizedKVCache(32, 4, 3), 1, [2])
+    with pytest.raises(ValueError, match="one layout"):
+        rows.merge([not_yet, converted])
     rows.extend(plain, _filled(family, lambda m: m.Bf16FirstQuantizedKVCache(32, 4, 100), 1, [3]))
     assert (plain.layout.batch, plain.converted) == (2, False)
+
+
+def test_a_merge_takes_the_shortest_prefix_every_row_can_reuse(backend) -> None:
+    """ROWS-3, ROWS-5 over B16F-4: rows converted at different offsets. At one offset the
+    merge takes the largest minimum reusable offset; of different offsets the largest
+    r_b + M - o_b, in buffer positions."""
+    family, rows = backend.module("caches"), backend.module("rows")
+
+    def converted(lengths: list[int]):
+        return _filled(family, lambda m: m.Bf16FirstQuantizedKVCache(32, 4, 3), 1, lengths)
+
+    late, early, longer = converted([2, 2]), converted([3, 1]), converted([3, 1, 1])
+    offsets = [(c.state().offset, c.state().minimum_reusable_offset) for c in (late, early, longer)]
+    assert offsets == [(4, 4), (4, 3), (5, 3)]
+    assert rows.merge([early, late]).state().minimum_reusable_offset == 4
+    # late: 4 + 5 - 4 = 5; longer: 3 + 5 - 5 = 3.
+    assert rows.merge([longer, late]).state().minimum_reusable_offset == 5
 
 
 def test_clones_and_minimum_reusable_offset(backend) -> None:

@@ -154,7 +154,11 @@ def read_header(path: str) -> SafetensorsHeader:
             raise _corrupt(path, f"{size} bytes, fewer than the 8 of the header length")
         length = int.from_bytes(prefix, "little")
         if length > min(size - 8, MAX_HEADER_BYTES):
-            raise _corrupt(path, f"header length {length} exceeds the file's {size - 8} bytes")
+            raise _corrupt(
+                path,
+                f"header length {length} exceeds the file's {size - 8} bytes or the "
+                f"{MAX_HEADER_BYTES}-byte limit",
+            )
         text = f.read(length)
     try:
         header = json.loads(text.decode("utf-8"))
