@@ -53,8 +53,13 @@ def test_full_attention_masks(backend, offset, n, window) -> None:
     expected = (key <= query) & ((query - key < window) if window else True)
     mask = cache.make_mask(n, window)
     np.testing.assert_array_equal(_matrix(backend, mask, n, offset + n), expected)
-    if mask is None:
-        assert expected.all()
+    # The form MASK-2 names: "causal" lets attention take its causal path.
+    if n == 1 and (window is None or offset < window):
+        assert mask is None
+    elif window is None or offset + n <= window:
+        assert isinstance(mask, str) and mask == "causal"
+    else:
+        assert not isinstance(mask, str) and mask is not None
 
 
 @pytest.mark.parametrize("max_size", [2, 3, 4, 5])
@@ -127,3 +132,11 @@ def test_ring_masks_against_positions_written(backend, lengths, max_size, keep) 
                         expected[i, column] = query - window < key <= query
             got = _matrix(backend, mask, length, len(rows))
             np.testing.assert_array_equal(got, expected, err_msg=f"rows {rows} window {window}")
+            # MASK-3's forms: None for one query seeing every row, "causal" for more
+            # queries exactly when query i sees rows 0 .. T - n + i.
+            lower_right = np.tril(np.ones_like(expected), len(rows) - length)
+            if length == 1:
+                assert (mask is None) == bool(expected.all())
+            else:
+                is_causal = isinstance(mask, str) and mask == "causal"
+                assert is_causal == np.array_equal(expected, lower_right), (rows, window)
