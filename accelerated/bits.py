@@ -31,8 +31,11 @@ def _pack(codes: mx.array, bits: int, unit: int, dtype: mx.Dtype) -> mx.array:
 
 def _unpack(packed: mx.array, bits: int, count: int, unit: int, dtype: mx.Dtype) -> mx.array:
     *lead, n_units = packed.shape
-    if n_units != packed_length(count, bits, unit):
-        raise ValueError(f"expected rows of {count * bits // unit} units of {unit} bits")
+    if packed.dtype != dtype or n_units != packed_length(count, bits, unit):
+        raise ValueError(
+            f"expected {dtype} rows of {count * bits // unit} units of {unit} bits, got "
+            f"{packed.dtype} rows of {n_units}"
+        )
     stream = (packed.astype(mx.uint32)[..., None] >> mx.arange(unit, dtype=mx.uint32)) & 1
     planes = stream.reshape(*lead, count, bits)
     return mx.sum(planes << mx.arange(bits, dtype=mx.uint32), axis=-1).astype(dtype)

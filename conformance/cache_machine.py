@@ -489,7 +489,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(
         seed=st.integers(0, 2**32 - 1),
-        bad=st.sampled_from(["length", "dtype", "head_dim", "rank", "nan"]),
+        bad=st.sampled_from(["length", "dtype", "head_dim", "rank", "value_rank", "nan"]),
     )
     def bad_append(self, seed, bad) -> None:
         k, v = self._kv(seed, 2)
@@ -503,6 +503,8 @@ class CacheMachine(RuleBasedStateMachine):
             k = np.concatenate([k, k], axis=-1)
         elif bad == "rank":
             k = k[0]
+        elif bad == "value_rank":
+            v = v[..., 0]  # [B, H, L]: its first three axes are still the keys'
         elif bad == "nan":
             if not self._rejects_nan():
                 return

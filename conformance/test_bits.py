@@ -65,3 +65,28 @@ def test_backend_packs_the_reference_bits(backend, case: tuple[np.ndarray, int])
 def test_unsupported_width_is_rejected(bits: int) -> None:
     with pytest.raises(ValueError, match=r"bits must be in 1\.\.8"):
         reference_bits.pack_bytes(np.zeros((1, 8), np.uint8), bits)
+
+
+@pytest.mark.parametrize("side", ["reference", "backend"])
+def test_unpacking_takes_rows_of_its_dtype_and_length_alone(backend, side: str) -> None:
+    """BITS-1, BITS-2: a packed row is count * bits / 8 uint8 bytes, or count * bits / 32
+    uint32 words; another dtype alone, or another length alone, raises."""
+    bits = reference_bits if side == "reference" else backend.module("bits")
+    to = np.array if side == "reference" else backend.from_numpy
+    streams = [
+        (bits.unpack_bytes, np.zeros((1, 3), np.uint8), np.int8, np.zeros((1, 4), np.uint8)),
+        (bits.unpack_words, np.zeros((1, 3), np.uint32), np.int32, np.zeros((1, 2), np.uint32)),
+    ]
+    for unpack, row, other_dtype, other_length in streams:
+        unpack(to(row), 3, row.itemsize * 8)
+        for bad in (row.astype(other_dtype), other_length):
+            with pytest.raises(ValueError, match="expected"):
+                unpack(to(bad), 3, row.itemsize * 8)
+
+
+def test_bytes_become_words_from_whole_uint8_words_alone() -> None:
+    """BITS-2: four uint8 bytes a word; int8 bytes, or a row not of whole words, raise."""
+    reference_bits.bytes_to_words(np.zeros((1, 8), np.uint8))
+    for bad in (np.zeros((1, 8), np.int8), np.zeros((1, 6), np.uint8)):
+        with pytest.raises(ValueError, match="multiple of 4"):
+            reference_bits.bytes_to_words(bad)

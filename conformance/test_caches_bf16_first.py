@@ -181,3 +181,16 @@ def test_first_window_reads_refuse_after_the_switch(backend) -> None:
     for read in (cache.append_bidirectional, cache.append_encoder_window):
         with pytest.raises(ValueError, match="first window"):
             read(backend.from_numpy(k), backend.from_numpy(v), mask)
+
+
+def test_a_bidirectional_mask_is_bool_of_the_windows_length(backend) -> None:
+    """READ-6: the mask is bool [L, L]; another dtype alone, or another shape alone, is
+    refused before anything is appended."""
+    cache = backend.module("caches").Bf16FirstQuantizedKVCache(32, 4, 0)
+    k, v = random_kv(1, (1, 1, 3, 32), 32, BFLOAT16)
+    for bad in (np.eye(3, dtype=np.int32), np.eye(3, 4, dtype=bool)):
+        with pytest.raises(ValueError, match="bidirectional must be bool"):
+            cache.append_bidirectional(
+                backend.from_numpy(k), backend.from_numpy(v), backend.from_numpy(bad)
+            )
+        assert cache.offset == 0 and not cache.converted

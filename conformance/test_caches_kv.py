@@ -40,3 +40,18 @@ def test_widths_mlx_lm_cannot_store_at_head_dim_128(backend, bits) -> None:
     assert words.shape == (1, 2, 3, 128 * bits // 32)
     error = np.abs(backend.to_numpy(keys).astype(np.float64) - k.astype(np.float64))
     assert np.all(error <= affine_read_bound(k, scales, bits, 64))
+
+
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_an_append_of_another_rank_is_refused(backend, side: str) -> None:
+    """CACHE-2: keys and values are each [B, H, L, D]; one of them [B, H, L] (its first
+    three axes still the other's) is refused, and the cache holds nothing."""
+    for cache in (backend.module("caches").KVCache(), backend.module("caches").QuantizedKVCache()):
+        k, v = random_kv(1, (1, 2, 3, 64), 64, BFLOAT16)
+        if side == "keys":
+            k = k[..., 0]
+        else:
+            v = v[..., 0]
+        with pytest.raises(ValueError, match=r"must be \[B, H, L, D\]"):
+            cache.update_and_fetch(backend.from_numpy(k), backend.from_numpy(v))
+        assert cache.offset == 0

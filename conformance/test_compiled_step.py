@@ -563,6 +563,22 @@ def test_write_slot_holds_what_the_commit_stores(backend, factory, length) -> No
         assert_same_bits(field[:, :, kept], buffers[i][:, :, kept], f"field {i}, other rows")
 
 
+@pytest.mark.parametrize("side", ["reference", "backend"])
+@pytest.mark.parametrize(("length", "rows"), [(30, 32), (31, 32), (32, 64), (40, 64)])
+def test_a_step_takes_windows_of_its_buffers(backend, side, length, rows) -> None:
+    """COMPILE-3: the graph takes the buffers' first rows, the active length rounded up to
+    a multiple of WINDOW_STEP (32), as its slot key names them, not the whole buffers."""
+    checker = reference_backend() if side == "reference" else backend
+    cache = _prefilled(checker, lambda m: m.KVCache(), length)
+    plan = cache.prepare_decode_step()
+    assert plan.active_length == length + 1
+    assert cache.stored_fields()[0].shape[2] > rows  # CACHE-3 grew it by 256 rows
+    slot = cache.decode_slot(plan)
+    windows = cache.decode_inputs(plan)[:2]
+    assert [window.shape[2] for window in windows] == [rows] * 2
+    assert [shape[2] for shape, _ in slot.key[2]] == [rows] * 2
+
+
 def test_bf16_first_commit_checks_convertible(backend) -> None:
     """B16F-3 under COMPILE-5: before the switch, a position the converted storage could not
     hold is refused by the commit, and the cache is as it was."""

@@ -831,6 +831,16 @@ def test_a_bad_deferred_append_reads_nan_and_is_raised_once(backend: Backend, ki
         assert_same_bits(backend.to_numpy(a), e, f"DEFER-1 {kind} slot {slot}")
 
 
+def test_a_failure_rank_names_one_check() -> None:
+    """DEFER-2: ranks 1 .. len(checks) name a check, the last check rank 1; rank 0 (no
+    failure) and ranks past the checks name none."""
+    checks = ("first", "second", "third")
+    assert [failure_message(checks, rank) for rank in (1, 2, 3)] == ["third", "second", "first"]
+    for rank in (0, 4, -1):
+        with pytest.raises(ValueError, match="names none of 3 checks"):
+            failure_message(checks, rank)
+
+
 def test_state_raises_a_recorded_failure_first(backend: Backend) -> None:
     cache = backend.module("caches").TurboQuantKVCache(8, 4, checks="deferred")
     k = np.zeros((1, 1, 2, 64), np.float32)

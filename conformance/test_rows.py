@@ -413,3 +413,21 @@ def test_a_prepared_padding_takes_a_first_append_as_long_as_its_largest_count(
     assert cache.offset == 0 and cache.state().arrays == ()
     cache.append_window(backend.from_numpy(k), backend.from_numpy(v))
     assert cache.offset == 3 and cache.left_padding == (0, 3)
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache"])
+def test_a_padding_query_sees_its_own_key_alone(backend, kind: str) -> None:
+    """ROWS-11: in the first append after `prepare`, a query at a padding position sees
+    only its own key, so it reads that key's value exactly; the row's own queries see
+    their causal keys from the row's first position on, none of its padding."""
+    cache = getattr(backend.module("caches"), kind)(*([8] if kind == "RotatingKVCache" else []))
+    cache.prepare(left_padding=[0, 2])
+    k, v = random_kv(5, (2, 1, 4, 32), 32, FLOAT_DTYPES["float32"])
+    queries = random_kv(6, (2, 1, 4, 32), 32, FLOAT_DTYPES["float32"])[0]
+    read = cache.append_window(backend.from_numpy(k), backend.from_numpy(v))
+    out = backend.to_numpy(read.attend(backend.from_numpy(queries), 32**-0.5))
+    for position in (0, 1):
+        np.testing.assert_allclose(out[1, 0, position], v[1, 0, position], rtol=1e-6)
+    alone = reference.KVCache()
+    own = alone.append_window(k[1:, :, 2:], v[1:, :, 2:]).attend(queries[1:, :, 2:], 32**-0.5)
+    np.testing.assert_allclose(out[1:, :, 2:], own, rtol=1e-5, atol=1e-6)
