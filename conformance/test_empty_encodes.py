@@ -70,3 +70,24 @@ def test_a_launch_of_no_rows_is_refused(backend: Backend, launches, codec: str) 
         else:
             module.record_encoder(k, k, 8, 4)
     assert not launches
+
+
+@pytest.mark.parametrize("kind", ["turboquant", "affine"])
+def test_an_append_of_no_rows_to_a_deferred_cache_launches_nothing(
+    backend: Backend, launches, kind: str
+) -> None:
+    """TQ-10, DEFER-3 at a cache: an append to a batch of no rows (B = 0, positions still
+    counted) is taken on the CUDA path with no launch. (An append of no positions is
+    refused before any encode: CACHE-2.)"""
+    import mlx.core as mx
+
+    caches = backend.module("caches")
+    if kind == "turboquant":
+        cache = caches.TurboQuantKVCache(8, 4, "deferred")
+    else:
+        cache = caches.QuantizedKVCache(64, 4, "deferred")
+    no_rows = mx.zeros((0, 2, 1, 128), mx.bfloat16)
+    for offset in (1, 2):
+        cache.update_and_fetch(no_rows, no_rows)
+        assert cache.offset == offset
+    assert not launches, "an append of no rows launches nothing"
