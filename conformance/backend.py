@@ -58,6 +58,12 @@ def reference_backend() -> Backend:
     )
 
 
+def backend_of_side(backend: Backend, side: str) -> Backend:
+    """The adapter of one side of a test run on both: the reference's for "reference",
+    else `backend`."""
+    return reference_backend() if side == "reference" else backend
+
+
 def accelerated_backend() -> Backend:
     """The MLX backend, on MLX's default device."""
     import mlx.core as mx

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvspec.conformance.backend import backend_of_side
 from kvspec.conformance.bounds import affine_read_bound
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.conformance.strategies import dtype_names, grouped_arrays, lead_shapes
@@ -165,8 +166,8 @@ def test_bad_input_is_rejected(backend, side, w, group_size, bits, message) -> N
 def test_dequantize_refuses_biases_unlike_the_scales(backend, side) -> None:
     """AFF-6: scales and biases share one dtype and one shape; either differing alone
     raises."""
-    affine = reference if side == "reference" else backend.module("affine")
-    from_numpy = np.array if side == "reference" else backend.from_numpy
+    checker = backend_of_side(backend, side)
+    affine, from_numpy = checker.module("affine"), checker.from_numpy
     wq, scales, biases = reference.quantize(np.ones((2, 128), np.float32), 64, 4)
     args = (from_numpy(wq), from_numpy(scales))
     affine.dequantize(*args, from_numpy(biases), 64, 4)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvspec.conformance.backend import backend_of_side
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.reference import bits as reference_bits
 
@@ -71,8 +72,8 @@ def test_unsupported_width_is_rejected(bits: int) -> None:
 def test_unpacking_takes_rows_of_its_dtype_and_length_alone(backend, side: str) -> None:
     """BITS-1, BITS-2: a packed row is count * bits / 8 uint8 bytes, or count * bits / 32
     uint32 words; another dtype alone, or another length alone, raises."""
-    bits = reference_bits if side == "reference" else backend.module("bits")
-    to = np.array if side == "reference" else backend.from_numpy
+    checker = backend_of_side(backend, side)
+    bits, to = checker.module("bits"), checker.from_numpy
     streams = [
         (bits.unpack_bytes, np.zeros((1, 3), np.uint8), np.int8, np.zeros((1, 4), np.uint8)),
         (bits.unpack_words, np.zeros((1, 3), np.uint32), np.int32, np.zeros((1, 2), np.uint32)),

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from kvspec.conformance.backend import Backend, reference_backend
+from kvspec.conformance.backend import Backend, backend_of_side, reference_backend
 from kvspec.conformance.bounds import read_bound, read_error
 from kvspec.conformance.cache_machine import (
     CacheMachine,
@@ -568,7 +568,7 @@ def test_write_slot_holds_what_the_commit_stores(backend, factory, length) -> No
 def test_a_step_takes_windows_of_its_buffers(backend, side, length, rows) -> None:
     """COMPILE-3: the graph takes the buffers' first rows, the active length rounded up to
     a multiple of WINDOW_STEP (32), as its slot key names them, not the whole buffers."""
-    checker = reference_backend() if side == "reference" else backend
+    checker = backend_of_side(backend, side)
     cache = _prefilled(checker, lambda m: m.KVCache(), length)
     plan = cache.prepare_decode_step()
     assert plan.active_length == length + 1

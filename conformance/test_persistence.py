@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_lm_cache
 
 from kvspec.accelerated.mlx_lm.cache import CacheRecipe, kvspec_cache
+from kvspec.conformance.backend import backend_of_side
 from kvspec.conformance.cache_machine import assert_same_state, random_kv
 from kvspec.conformance.persistence_vectors import (
     GOLDEN_FILES,
@@ -96,7 +97,7 @@ def test_round_trip_then_append(
         loaded, loaded_metadata = _persistence(backend, reader).load_caches(path)
     assert loaded_metadata == metadata
     assert [type(c).__name__ for c in loaded] == [type(c).__name__ for c in ref]
-    checker = reference_backend_of(backend, reader)
+    checker = backend_of_side(backend, reader)
     for original, restored in zip(ref, loaded, strict=True):
         assert restored.signature() == original.signature()
         assert restored.checks == original.checks
@@ -108,13 +109,6 @@ def test_round_trip_then_append(
             original.update_and_fetch(k, v)
             restored.update_and_fetch(checker.from_numpy(k), checker.from_numpy(v))
         assert_same_state(original, restored, checker)
-
-
-def reference_backend_of(backend, name: str):
-    """The conformance adapter of the backend whose caches `name` loads."""
-    from kvspec.conformance.backend import reference_backend
-
-    return reference_backend() if name == "reference" else backend
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +552,7 @@ def test_mlx_lm_prompt_cache_files(backend, reader: str) -> None:
     """PERSIST-9: mlx-lm's files load into kvspec caches that, appended to, fetch and store
     what mlx-lm's own loaded caches do; each loader names the other format."""
     persistence = _persistence(backend, reader)
-    checker = reference_backend_of(backend, reader)
+    checker = backend_of_side(backend, reader)
     with _folder() as folder:
         path = os.path.join(folder, "prompt.safetensors")
         mlx_lm_cache.save_prompt_cache(path, _mlx_lm_caches(), {"model": "m"})

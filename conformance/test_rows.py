@@ -418,7 +418,7 @@ def test_a_prepared_padding_takes_a_first_append_as_long_as_its_largest_count(
 @pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache"])
 def test_a_padding_query_sees_its_own_key_alone(backend, kind: str) -> None:
     """ROWS-11: in the first append after `prepare`, a query at a padding position sees
-    only its own key, so it reads that key's value exactly; the row's own queries see
+    only its own key, so it reads that key's value; the row's own queries see
     their causal keys from the row's first position on, none of its padding."""
     cache = getattr(backend.module("caches"), kind)(*([8] if kind == "RotatingKVCache" else []))
     cache.prepare(left_padding=[0, 2])
