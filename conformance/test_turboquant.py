@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec.conformance.backend import backend_of_side
+from kvspec.conformance.backend import Backend, backend_of_side
 from kvspec.conformance.bounds import turboquant_key_read_bound
 from kvspec.conformance.compare import assert_same_bits
 from kvspec.conformance.strategies import kv_pairs
@@ -254,6 +254,12 @@ def test_decode_rejects_a_mismatched_head_dim(backend) -> None:
         tq.decode(stored, 3, 128)
 
 
+@pytest.fixture(params=["reference", "backend"])
+def side(backend, request) -> Backend:
+    """Each of the tests below on both sides: the reference, then the backend."""
+    return backend_of_side(backend, request.param)
+
+
 def _with_field(stored, name: str, value: np.ndarray, from_numpy):
     fields = {field: getattr(stored, field) for field in FIELDS}
     return type(stored)(**{**fields, name: from_numpy(value)})
@@ -278,14 +284,12 @@ def _malformed_fields() -> list[tuple[str, str, np.ndarray, str]]:
     [case[1:] for case in _malformed_fields()],
     ids=[case[0] for case in _malformed_fields()],
 )
-@pytest.mark.parametrize("side", ["reference", "backend"])
 def test_a_stored_tensor_is_refused_for_each_condition_alone(
-    backend, side, field, value, side_named
+    side, field, value, side_named
 ) -> None:
     """TQ-10: the widths follow from the fields, and a field is accepted only with the
     dtype and width of its width; each condition broken alone raises."""
-    checker = backend_of_side(backend, side)
-    tq, from_numpy = checker.module("turboquant"), checker.from_numpy
+    tq, from_numpy = side.module("turboquant"), side.from_numpy
     x = from_numpy(np.ones((1, 1, 2, 128), np.float32))
     stored = tq.encode(x, x, 8, 4)
     assert tq.stored_bits(stored, 128) == (8, 4)
@@ -296,11 +300,9 @@ def test_a_stored_tensor_is_refused_for_each_condition_alone(
         tq.decode(malformed, 2, 128)
 
 
-@pytest.mark.parametrize("side", ["reference", "backend"])
-def test_group_fields_are_float16_with_one_per_block(backend, side) -> None:
+def test_group_fields_are_float16_with_one_per_block(side) -> None:
     """TQ-5, TQ-8: scales and zero points are float16, D / 32 of them per vector."""
-    checker = backend_of_side(backend, side)
-    tq, from_numpy = checker.module("turboquant"), checker.from_numpy
+    tq, from_numpy = side.module("turboquant"), side.from_numpy
     indices = from_numpy(np.zeros((2, 64), np.uint8))
     good = np.ones((2, 2), np.float16)
     tq.decode_keys(indices, from_numpy(good), from_numpy(good))
@@ -314,11 +316,9 @@ def test_group_fields_are_float16_with_one_per_block(backend, side) -> None:
             tq.decode_values_rotated(indices, from_numpy(bad), 4)
 
 
-@pytest.mark.parametrize("side", ["reference", "backend"])
-def test_a_value_index_past_the_codebook_is_refused(backend, side) -> None:
+def test_a_value_index_past_the_codebook_is_refused(side) -> None:
     """TQ-8: an index reads a centroid of the codebook; 2^bits or more raises."""
-    checker = backend_of_side(backend, side)
-    tq, from_numpy = checker.module("turboquant"), checker.from_numpy
+    tq, from_numpy = side.module("turboquant"), side.from_numpy
     scales = from_numpy(np.ones((1, 2), np.float16))
     last = np.zeros((1, 64), np.uint8)
     last[0, 7] = 3
@@ -329,13 +329,11 @@ def test_a_value_index_past_the_codebook_is_refused(backend, side) -> None:
         tq.decode_values_rotated(from_numpy(past), scales, 2)
 
 
-@pytest.mark.parametrize("side", ["reference", "backend"])
 @pytest.mark.parametrize("bits", [0, 1, 6, 7, 9])
-def test_packing_takes_only_the_formats_widths(backend, side, bits) -> None:
+def test_packing_takes_only_the_formats_widths(side, bits) -> None:
     """TQ-9: packed_dim, pack_bits and unpack_bits take the widths of KEY_BITS and
     VALUE_BITS alone."""
-    checker = backend_of_side(backend, side)
-    tq, from_numpy = checker.module("turboquant"), checker.from_numpy
+    tq, from_numpy = side.module("turboquant"), side.from_numpy
     codes = from_numpy(np.zeros((1, 64), np.uint8))
     with pytest.raises(ValueError, match="bits must be one of"):
         tq.packed_dim(64, bits)
@@ -345,12 +343,10 @@ def test_packing_takes_only_the_formats_widths(backend, side, bits) -> None:
         tq.unpack_bits(codes, bits, 64)
 
 
-@pytest.mark.parametrize("side", ["reference", "backend"])
-def test_one_vector_is_encoded_as_a_row_of_one(backend, side) -> None:
+def test_one_vector_is_encoded_as_a_row_of_one(side) -> None:
     """TQ-3: encode_keys and encode_values take any array whose last axis is D, a single
     vector included; an array with no axis is refused."""
-    checker = backend_of_side(backend, side)
-    tq, from_numpy, to_numpy = checker.module("turboquant"), checker.from_numpy, checker.to_numpy
+    tq, from_numpy, to_numpy = side.module("turboquant"), side.from_numpy, side.to_numpy
     vector = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
     for encode in (lambda x: tq.encode_keys(x, 4), lambda x: tq.encode_values(x, 4)):
         alone = encode(from_numpy(vector))
