@@ -53,6 +53,30 @@ def test_every_encoder_stores_reference_bits(backend, case) -> None:
             assert_same_bits(backend.to_numpy(a), e, f"{encoder} {name}")
 
 
+def test_the_default_encoder_is_the_devices(backend, monkeypatch) -> None:
+    """AFF-9's table: with no encoder named, the CPU takes `mlx_cpu` (MLX's own kernel) and
+    a CUDA device `cuda`, never the slower `ops`."""
+    if backend.name != "accelerated":
+        pytest.skip("the encoders by device belong to the MLX backend")
+    mx = pytest.importorskip("mlx.core")
+    affine = backend.module("affine")
+
+    ran: list[str] = []
+    for name, encode in list(affine.ENCODERS.items()):
+        monkeypatch.setitem(
+            affine.ENCODERS, name, lambda w, g, b, name=name, encode=encode: ran.append(name)
+        )
+    expected = {mx.cpu: "mlx_cpu"} | ({mx.gpu: "cuda"} if mx.cuda.is_available() else {})
+    was = mx.default_device()
+    try:
+        for device, name in expected.items():
+            mx.set_default_device(device)
+            affine.quantize(mx.ones((1, 64)), 64, 4)
+            assert ran.pop() == name, device
+    finally:
+        mx.set_default_device(was)
+
+
 @given(affine_cases())
 def test_read_error_within_bound(backend, case) -> None:
     w, group_size, bits = case

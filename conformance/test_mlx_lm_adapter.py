@@ -512,6 +512,9 @@ def test_from_state_as_each_mlx_lm_version_calls_it(separate_meta_state, monkeyp
     else:
         restored = [type(c).from_state(list(c.state)) for c in cache]
     assert_same_caches(restored, cache)
+    # A restored layer is one row, as mlx-lm's own caches are: its offset an int.
+    assert [c.offset for c in restored] == [c.offset for c in cache]
+    assert all(type(c.offset) is int for c in restored)
 
 
 def test_speculative_decoding_equals_mlx_lm(llama) -> None:

@@ -253,6 +253,24 @@ def test_batch_left_padding_equals_mlx_lm(llama) -> None:
     )
 
 
+def test_right_padding_of_none_appends_the_batch_as_one(llama) -> None:
+    """`prepare(right_padding=...)` of zeros, as mlx-lm's BatchGenerator gives prompts of
+    one length, pads nothing: the append reads the batch at once. Only a padded row makes
+    the rows append alone, each without its padding."""
+    from kvspec.accelerated.mlx_lm.attention import PendingAttention
+    from kvspec.accelerated.mlx_lm.batch import RowsAttention
+
+    keys = mx.zeros((2, 2, 4, 64), mx.bfloat16)
+    for padding, read_kind in (([0, 0], PendingAttention), ([1, 0], RowsAttention)):
+        layers = [make_prompt_cache(llama, "affine:8:64")[0] for _ in range(2)]
+        batch = type(layers[0]).merge(layers)
+        batch.update_and_fetch(keys, keys)  # the merged rows joined
+        batch.prepare(right_padding=padding, lengths=[4 - count for count in padding])
+        read, _ = batch.update_and_fetch(keys, keys)
+        assert type(read) is read_kind, padding
+        assert batch.offset.tolist() == [8 - count for count in padding]
+
+
 def test_batch_refusals(llama) -> None:
     """What a kvspec batch cannot do is refused with the reason, the caches unchanged."""
     bf16, affine = make_prompt_cache(llama), make_prompt_cache(llama, "affine:8:64")
