@@ -158,6 +158,29 @@ def test_bf16_first_batch_switches_as_one(llama, scheme) -> None:
     assert tokens[uids[3]] == alone[0]
 
 
+def test_bf16_first_rows_join_switched_as_one(llama) -> None:
+    """ROWS-7 at the join itself: rows none of which switched join as bf16; where one has
+    switched, each other row switches as it joins, at its own length, storing what it
+    stores alone with a start of that length."""
+    from kvspec.accelerated.rows import extract_row
+
+    def first_layer(length: int, start: int):
+        cache = make_prompt_cache(llama, f"affine:8:64:start={start}")
+        llama(mx.array(PROMPTS[0][:length])[None], cache=cache)
+        return cache[0]
+
+    unswitched = KvspecCache.merge([first_layer(30, 34), first_layer(20, 34)])
+    assert not unswitched.cache.converted
+    mixed = KvspecCache.merge([first_layer(40, 34), first_layer(20, 34)])
+    assert mixed.cache.converted
+    alone = first_layer(20, 20).cache
+    assert alone.converted
+    joined = extract_row(mixed.cache, 1)
+    assert joined.offset == alone.offset == 20
+    for slot, (a, b) in enumerate(zip(joined.state().arrays, alone.state().arrays, strict=True)):
+        assert_same_bits(to_numpy(a), to_numpy(b), f"slot {slot}")
+
+
 @pytest.mark.mlx_ops_reads
 def test_batch_generate_with_histories_equals_mlx_lm(llama, model_dir) -> None:  # noqa: F811
     """bf16: `batch_generate` with prompt caches that already hold a prefix beside fresh
