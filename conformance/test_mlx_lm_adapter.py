@@ -401,7 +401,7 @@ def test_make_prompt_cache_rejects_what_it_cannot_compose(llama) -> None:
 def model_dir(tmp_path_factory, llama):
     """LLAMA saved as mlx-lm saves models, with a byte-level tokenizer built locally (one
     token per byte, no merges: the model's 256-token vocabulary) whose chat template puts
-    each message in angle brackets."""
+    each message in angle brackets, then a colon where a generation prompt is asked for."""
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -413,7 +413,10 @@ def model_dir(tmp_path_factory, llama):
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    chat_template = "{% for message in messages %}<{{ message.content }}>{% endfor %}"
+    chat_template = (
+        "{% for message in messages %}<{{ message.content }}>{% endfor %}"
+        "{% if add_generation_prompt %}:{% endif %}"
+    )
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=chat_template)
     wrapped.save_pretrained(path)
     return path
@@ -429,12 +432,12 @@ def test_command_generates_from_a_model_directory(model_dir) -> None:
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    # "<hello world>": the chat template's 13 bytes.
-    assert lines[-2].startswith("prompt: 13 tokens, ")
+    # "<hello world>:": the chat template's 14 bytes, its generation prompt included.
+    assert lines[-2].startswith("prompt: 14 tokens, ")
     assert "; generation: 12 tokens, " in lines[-2] and lines[-2].endswith(" tokens/s")
-    # 25 positions x 2 layers x 2 KV heads x 64 keys and 64 values: 25600 bytes in bf16;
+    # 26 positions x 2 layers x 2 KV heads x 64 keys and 64 values: 26624 bytes in bf16;
     # TurboQuant k8v4 stores (8 + 1) + (4 + 0.5) bits per key and value pair of 32 bits.
-    assert lines[-1] == "KV memory (turbo:k8v4): 10800 bytes, 0.422 of bf16's 25600"
+    assert lines[-1] == "KV memory (turbo:k8v4): 11232 bytes, 0.422 of bf16's 26624"
 
 
 def test_command_takes_the_prompt_raw_on_request(model_dir, capsys) -> None:
@@ -449,17 +452,21 @@ def test_command_takes_the_prompt_raw_on_request(model_dir, capsys) -> None:
 
 
 def test_command_rejects_bad_arguments(model_dir, tmp_path, capsys) -> None:
-    from kvspec.accelerated.mlx_lm.__main__ import main
+    from kvspec.accelerated.mlx_lm.__main__ import main, parse_args
 
+    model = ["--model", str(model_dir)]
     cases = [
-        (["--kv-scheme", "turbo:k9v4"], "key bits must be one of"),
-        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        ([*model, "--prompt", "hi", "--kv-scheme", "turbo:k9v4"], "key bits must be one of"),
+        ([*model, "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--prompt", "hi"], "the following arguments are required: --model"),
+        (model, "the following arguments are required: --prompt"),
     ]
-    for extra, message in cases:
+    for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
-            main(["--model", str(model_dir), "--prompt", "hi", *extra])
+            main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+    assert parse_args([*model, "--prompt", "hi", "--max-tokens", "1"]).max_tokens == 1
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path), "--prompt", "hi"])
     assert "is not a model directory (no config.json)" in capsys.readouterr().err
