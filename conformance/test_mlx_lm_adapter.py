@@ -583,6 +583,45 @@ def test_routed_attention_refuses_what_reads_cannot_do() -> None:
     assert output.shape == (1, 4, 1, 64)
 
 
+def test_attention_of_other_keys_is_mlx_lms(monkeypatch) -> None:
+    """Keys that are not a kvspec read (a layer of mlx-lm's own cache) attend through
+    mlx-lm's own function, sinks included; routing reaches mlx-lm's model modules that use
+    its function, and no other module or function."""
+    import types
+
+    from kvspec.accelerated.mlx_lm import attention
+
+    mlx_lms = attention._MLX_LM_ATTENTION
+    queries, keys = mx.random.normal((1, 4, 3, 64)), mx.random.normal((1, 2, 3, 64))
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0])
+    for extra in ({}, {"sinks": sinks}):
+        got = attention.scaled_dot_product_attention(
+            queries, keys, keys, None, 0.125, "causal", **extra
+        )
+        expected = mlx_lms(queries, keys, keys, cache=None, scale=0.125, mask="causal", **extra)
+        assert_same_bits(to_numpy(got), to_numpy(expected), str(extra))
+
+    def own_attention(*args, **kwargs):
+        raise AssertionError("a model's own attention")
+
+    modules = {
+        "mlx_lm.models.kvspec_late": mlx_lms,
+        "mlx_lm.models.kvspec_own": own_attention,
+        "kvspec_elsewhere": mlx_lms,
+    }
+    for name, function in modules.items():
+        module = types.ModuleType(name)
+        module.scaled_dot_product_attention = function
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(attention.base, "scaled_dot_product_attention", mlx_lms)
+    attention.route_attention()
+    routed = attention.scaled_dot_product_attention
+    assert attention.base.scaled_dot_product_attention is routed
+    assert sys.modules["mlx_lm.models.kvspec_late"].scaled_dot_product_attention is routed
+    assert sys.modules["mlx_lm.models.kvspec_own"].scaled_dot_product_attention is own_attention
+    assert sys.modules["kvspec_elsewhere"].scaled_dot_product_attention is mlx_lms
+
+
 def test_server_command_gives_the_loaded_model_kvspec_caches(model_dir, monkeypatch) -> None:
     """python -m kvspec.accelerated.mlx_lm.server: mlx-lm's server main, its provider's
     models given the scheme's caches (`use_scheme`), so every request's caches, batched or
@@ -597,6 +636,9 @@ def test_server_command_gives_the_loaded_model_kvspec_caches(model_dir, monkeypa
     monkeypatch.setattr(server, "run", lambda host, port, provider: providers.append(provider))
     monkeypatch.setattr(server, "ModelProvider", server.ModelProvider)
     monkeypatch.setattr(sys, "argv", sys.argv)
+    with pytest.raises(SystemExit) as exit_info:
+        kvspec_server.main(["--model", str(model_dir)])
+    assert exit_info.value.code == 2 and not providers
     kvspec_server.main(["--kv-scheme", "affine:8:64", "--model", str(model_dir)])
     (provider,) = providers
     model, _ = provider.load("default_model")
