@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvspec.conformance.backend import Backend
@@ -37,6 +37,8 @@ def _pack(arrays: list[np.ndarray], offsets: tuple[int, ...], row_bytes: int) ->
 
 @settings(deadline=None)
 @given(fields=fields)
+# Alignments stop at 16: a 32-byte field is no wider-aligned than a 16-byte one before it.
+@example(fields=[("uint8", 16), ("uint8", 32)])
 def test_a_record_layout_aligns_each_field_to_its_loads_and_pads_the_row(records, fields) -> None:
     """TQC-1: fields in order of decreasing alignment (the given order among equals), each at
     the first offset past the one before it that is a multiple of its alignment (the largest
