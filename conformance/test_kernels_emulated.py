@@ -171,5 +171,12 @@ def test_affine_encodes_store_the_reference_bits(
     )
 
 
+@pytest.mark.parametrize("failing_side", ["keys", "values"])
+def test_affine_pair_encodes_store_the_reference_bits(emulated: Backend, failing_side: str) -> None:
+    decode_step.test_affine_deferred_pair_stores_what_two_quantizes_store(
+        emulated, (2, 3, 5, 128), 4, 64, "bfloat16", failing_side
+    )
+
+
 def test_turboquant_encodes_store_the_reference_bits(emulated: Backend) -> None:
     decode_step.test_turboquant_eager_encode_on_fused_path_stores_the_reference_bits(emulated, 128)
