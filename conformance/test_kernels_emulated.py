@@ -172,9 +172,13 @@ def test_affine_encodes_store_the_reference_bits(
 
 
 @pytest.mark.parametrize("failing_side", ["keys", "values"])
-def test_affine_pair_encodes_store_the_reference_bits(emulated: Backend, failing_side: str) -> None:
+# One block, and a prefill's many whose ranks one more op folds.
+@pytest.mark.parametrize("shape", [(2, 3, 5, 128), (1, 8, 300, 128)])
+def test_affine_pair_encodes_store_the_reference_bits(
+    emulated: Backend, shape: tuple[int, ...], failing_side: str
+) -> None:
     decode_step.test_affine_deferred_pair_stores_what_two_quantizes_store(
-        emulated, (2, 3, 5, 128), 4, 64, "bfloat16", failing_side
+        emulated, shape, 4, 64, "bfloat16", failing_side
     )
 
 
