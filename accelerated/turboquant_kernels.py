@@ -8,7 +8,7 @@ unpacks its key code and value code straight from the packed bytes, decodes the 
 stay rotated, the block unrotates them: butterflies at strides 1, 2, ..., D/2 (within a
 warp by shuffles, across warps through shared memory), one multiply by f32(1/sqrt(D)),
 then the signs. Encode: one thread per ELEMENTS_PER_THREAD coordinates; a decode step's
-vectors (up to 1024 coordinates) take one block, more take blocks of at most 1024
+vectors (up to 4096 coordinates) take one block, more take blocks of at most 1024
 coordinates and 256 threads (at least one vector); each runs TQ-4's key groups, TQ-6's
 rotation, TQ-7's rms and boundary search and TQ-9's packing, with DEFER-1's stored
 failures and DEFER-2's rank, and writes each position's fields as one record
@@ -31,11 +31,14 @@ from kvspec.reference import turboquant as reference
 from kvspec.reference.turboquant import DEFERRED_CHECKS
 from kvspec.reference.turboquant_tables import INV_SQRT_BITS
 
-#: Elements of a row each encode thread takes (encode_rows' P: 1, 2, 4 or 8). Elements of
-#: one encode block (below, encode_launch: its shared buffers hold 1024), and threads of an
-#: encode's blocks when one block would need more elements.
+#: Elements of a row each encode thread takes (encode_rows' P: 1, 2, 4 or 8). The
+#: coordinates an encode takes in one block (a decode step's of up to 32 heads of 128: its
+#: shared buffers then take 40 KiB of the 48 a block holds statically, and its ranks need no
+#: fold); and, where one block would need more, the coordinates and threads of each of the
+#: encode's blocks (shared buffers of 10 KiB, so that several blocks fit an SM).
 ELEMENTS_PER_THREAD = 8
-_ONE_BLOCK_ELEMENTS = 1024
+_ONE_BLOCK_MOST = 4096
+_BLOCK_ELEMENTS = 1024
 _BLOCK_THREADS = 256
 
 #: The kernels' code (cuda_source.included): the source MLX builds at every call is a call.
@@ -69,7 +72,7 @@ _DECODE_CALL = (
     "v_packed, v_scales, centroids, signs, keys, values);"
 )
 _ENCODE_CALL = (
-    "kvspec_tq::encode_rows<T, KI, D, P, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, "
+    "kvspec_tq::encode_rows<T, KI, D, P, CAP, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, "
     f"OFF_KI, OFF_KS, OFF_KZ, OFF_VP, OFF_VS>(k, k_shape, v, {BOUNDARIES}, {SIGNS}, prior, "
     "record, total);"
 )
@@ -129,7 +132,13 @@ def fused_decode(
 
 @cache
 def _encode_kernel(
-    dtype: mx.Dtype, D: int, elements: int, k_bits: int, v_bits: int, layout: RecordLayout
+    dtype: mx.Dtype,
+    D: int,
+    elements: int,
+    capacity: int,
+    k_bits: int,
+    v_bits: int,
+    layout: RecordLayout,
 ) -> object:
     offsets = zip(("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS"), layout.offsets, strict=True)
     constants = (
@@ -137,6 +146,7 @@ def _encode_kernel(
         ("KI", mx.int8 if k_bits == 8 else mx.uint8),
         ("D", D),
         ("P", elements),
+        ("CAP", capacity),
         ("KBITS", k_bits),
         ("VBITS", v_bits),
         ("INV_SQRT_BITS", INV_SQRT_BITS[D]),
@@ -164,20 +174,21 @@ def encode_launch(
     launch, made once per shape (a decode step encodes the same shape at every layer and
     step). Called with (k, v, prior=), unchecked: shapes, dtypes and widths are validated by
     the caller (turboquant.record_encoder). Groups that fail are stored as DEFER-1 says.
-    Rows of 1024 coordinates or fewer (a decode step's) take one block; more take blocks of
-    at most 1024 coordinates (the kernel's shared buffers) and 256 threads, at least one
-    row, whose ranks are folded by one more op. A shape of no rows is refused (ValueError):
-    there is no launch of nothing."""
+    Rows of 4096 coordinates or fewer (a decode step's) take one block; more take blocks of
+    at most 1024 coordinates and 256 threads, at least one row, whose ranks are folded by
+    one more op. A shape of no rows is refused (ValueError): there is no launch of nothing."""
     B, H, L, D = shape
     rows = B * H * L
     if rows == 0:
         raise ValueError(f"an encode of shape {shape} has no rows: nothing to launch")
     threads = D // ELEMENTS_PER_THREAD
-    one_block = rows * D <= _ONE_BLOCK_ELEMENTS
-    # The block's rows fill its shared buffers at most.
-    per_block = (
-        rows if one_block else max(1, min(_BLOCK_THREADS // threads, _ONE_BLOCK_ELEMENTS // D))
-    )
+    one_block = rows * D <= _ONE_BLOCK_MOST
+    # Shared buffers of the blocks' size wherever the rows fit them: most decode steps then
+    # share the prefill's kernel instance.
+    wide = one_block and rows * D > _BLOCK_ELEMENTS
+    capacity = _ONE_BLOCK_MOST if wide else _BLOCK_ELEMENTS
+    # A block's rows fill its shared buffers at most.
+    per_block = rows if one_block else max(1, min(_BLOCK_THREADS // threads, capacity // D))
     blocks = -(-rows // per_block)
     options = {
         "grid": (blocks * threads, per_block, 1),
@@ -185,7 +196,7 @@ def encode_launch(
         "output_shapes": [(B, H, L, layout.row_bytes), (blocks,)],
         "output_dtypes": [mx.uint8, mx.uint32],
     }
-    kernel = _encode_kernel(dtype, D, ELEMENTS_PER_THREAD, k_bits, v_bits, layout)
+    kernel = _encode_kernel(dtype, D, ELEMENTS_PER_THREAD, capacity, k_bits, v_bits, layout)
     return EncodeLaunch(kernel, options, blocks > 1)
 
 

@@ -68,8 +68,10 @@ def test_turboquant_deferred_encode_stores_the_reference_bits(
     backend: Backend, head_dim: int, bits: tuple[int, int], dtype: str
 ) -> None:
     k_bits, v_bits = bits
-    # On CUDA: one block, then several, the last one part full (21 rows of 2 or 4).
-    for seed, shape in enumerate([(2, 1, 1, head_dim), (1, 2, 5, head_dim), (1, 3, 7, head_dim)]):
+    # On CUDA: one block of a prefill block's buffers; one of a decode step's wider ones (at
+    # head dim 128 its edge, 4096 coordinates), or several where they would be wider still;
+    # then several, the last one part full (69 rows).
+    for seed, shape in enumerate([(2, 1, 1, head_dim), (1, 4, 8, head_dim), (1, 3, 23, head_dim)]):
         k, v = _poisoned_kv(seed, shape, dtype)
         expected, expected_failure = turboquant.encode_deferred(k, v, k_bits, v_bits)
         tq = backend.module("turboquant")

@@ -182,5 +182,14 @@ def test_affine_pair_encodes_store_the_reference_bits(
     )
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_turboquant_deferred_encodes_store_the_reference_bits(
+    emulated: Backend, head_dim: int
+) -> None:
+    decode_step.test_turboquant_deferred_encode_stores_the_reference_bits(
+        emulated, head_dim, (8, 4), "float32"
+    )
+
+
 def test_turboquant_encodes_store_the_reference_bits(emulated: Backend) -> None:
     decode_step.test_turboquant_eager_encode_on_fused_path_stores_the_reference_bits(emulated, 128)

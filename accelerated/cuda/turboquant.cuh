@@ -120,10 +120,11 @@ __device__ __forceinline__ void pack_codes(uint8_t* field, unsigned int t, const
 
 // TQ-3 .. TQ-10 in one pass: each block encodes R positions of a head, keys and values,
 // into one record per position (accelerated/records.py): ROW_BYTES bytes, the five fields at
-// byte offsets OFF_*, the bytes outside them (the row's end) zero.
-template <typename T, typename KI, int D, int P, int KBITS, int VBITS, int INV_SQRT_BITS,
-          int CHECKS, int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
-          typename Shape>
+// byte offsets OFF_*, the bytes outside them (the row's end) zero. The block's shared
+// buffers hold CAP coordinates: R D <= CAP.
+template <typename T, typename KI, int D, int P, int CAP, int KBITS, int VBITS,
+          int INV_SQRT_BITS, int CHECKS, int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ,
+          int OFF_VP, int OFF_VS, typename Shape>
 __device__ __forceinline__ void encode_rows(
     const T* k, const Shape& k_shape, const T* v, const float* boundaries, const float* signs,
     const uint32_t* prior, uint8_t* record, uint32_t* total) {
@@ -139,6 +140,7 @@ __device__ __forceinline__ void encode_rows(
     constexpr int THREADS = D / P;
     constexpr int GROUP_LANES = 32 / P;
     static_assert(THREADS % 32 == 0 || 32 % THREADS == 0, "rows and warps nest");
+    static_assert(CAP % D == 0, "whole rows in the shared buffers");
     const unsigned int t = threadIdx.x;
     const unsigned int r = threadIdx.y;
     const unsigned int R = blockDim.y;
@@ -162,10 +164,10 @@ __device__ __forceinline__ void encode_rows(
     uint8_t* const v_packed = own_record + OFF_VP;
     __half* const v_scales = reinterpret_cast<__half*>(own_record + OFF_VS);
     const unsigned long long base = row * D + P * t;
-    __shared__ unsigned char key_codes[1024];
-    __shared__ unsigned char value_codes[1024];
-    __shared__ float lane_values[2][1024];
-    __shared__ unsigned int row_failures[32];
+    __shared__ unsigned char key_codes[CAP];
+    __shared__ unsigned char value_codes[CAP];
+    __shared__ float lane_values[2][CAP];
+    __shared__ unsigned int row_failures[CAP / D];
     __shared__ unsigned int block_rank;
     unsigned char* own_keys = key_codes + r * D;
     unsigned char* own_values = value_codes + r * D;
