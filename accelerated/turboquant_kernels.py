@@ -72,7 +72,7 @@ _DECODE_CALL = (
     "v_packed, v_scales, centroids, signs, keys, values);"
 )
 _ENCODE_CALL = (
-    "kvspec_tq::encode_rows<T, KI, D, P, CAP, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, "
+    "kvspec_tq::encode_rows<T, D, P, CAP, KBITS, VBITS, INV_SQRT_BITS, CHECKS, ROW_BYTES, "
     f"OFF_KI, OFF_KS, OFF_KZ, OFF_VP, OFF_VS>(k, k_shape, v, {BOUNDARIES}, {SIGNS}, prior, "
     "record, total);"
 )
@@ -143,7 +143,6 @@ def _encode_kernel(
     offsets = zip(("OFF_KI", "OFF_KS", "OFF_KZ", "OFF_VP", "OFF_VS"), layout.offsets, strict=True)
     constants = (
         ("T", dtype),  # names the instance: NVRTC compiles one per input dtype
-        ("KI", mx.int8 if k_bits == 8 else mx.uint8),
         ("D", D),
         ("P", elements),
         ("CAP", capacity),

@@ -122,9 +122,9 @@ __device__ __forceinline__ void pack_codes(uint8_t* field, unsigned int t, const
 // into one record per position (accelerated/records.py): ROW_BYTES bytes, the five fields at
 // byte offsets OFF_*, the bytes outside them (the row's end) zero. The block's shared
 // buffers hold CAP coordinates: R D <= CAP.
-template <typename T, typename KI, int D, int P, int CAP, int KBITS, int VBITS,
-          int INV_SQRT_BITS, int CHECKS, int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ,
-          int OFF_VP, int OFF_VS, typename Shape>
+template <typename T, int D, int P, int CAP, int KBITS, int VBITS, int INV_SQRT_BITS,
+          int CHECKS, int ROW_BYTES, int OFF_KI, int OFF_KS, int OFF_KZ, int OFF_VP, int OFF_VS,
+          typename Shape>
 __device__ __forceinline__ void encode_rows(
     const T* k, const Shape& k_shape, const T* v, const float* boundaries, const float* signs,
     const uint32_t* prior, uint8_t* record, uint32_t* total) {
@@ -158,7 +158,7 @@ __device__ __forceinline__ void encode_rows(
     const bool active = row_index < rows;
     const unsigned long long row = active ? row_index : rows - 1;
     uint8_t* const own_record = record + row * ROW_BYTES;
-    KI* const k_idx = reinterpret_cast<KI*>(own_record + OFF_KI);
+    uint8_t* const k_idx = own_record + OFF_KI;
     __half* const k_scales = reinterpret_cast<__half*>(own_record + OFF_KS);
     __half* const k_zeros = reinterpret_cast<__half*>(own_record + OFF_KZ);
     uint8_t* const v_packed = own_record + OFF_VP;
@@ -340,7 +340,7 @@ __device__ __forceinline__ void encode_rows(
     constexpr bool KEYS_WHOLE = P * KBITS % 8 == 0;
     constexpr bool VALUES_WHOLE = P * VBITS % 8 == 0;
     if constexpr (KEYS_WHOLE) {
-        if (active) store_codes<P, KBITS>(reinterpret_cast<uint8_t*>(k_idx), t, key_code);
+        if (active) store_codes<P, KBITS>(k_idx, t, key_code);
     } else {
         #pragma unroll
         for (int e = 0; e < P; ++e) own_keys[P * t + e] = (unsigned char)key_code[e];
@@ -356,7 +356,7 @@ __device__ __forceinline__ void encode_rows(
         atomicMax(&block_rank, CHECKS - __ffs(row_failures[r]) + 1);
     }
     if constexpr (!KEYS_WHOLE) {
-        if (active) pack_codes<KBITS, KEY_BYTES, THREADS>(reinterpret_cast<uint8_t*>(k_idx), t, own_keys);
+        if (active) pack_codes<KBITS, KEY_BYTES, THREADS>(k_idx, t, own_keys);
     }
     if constexpr (!VALUES_WHOLE) {
         if (active) pack_codes<VBITS, VALUE_BYTES, THREADS>(v_packed, t, own_values);
