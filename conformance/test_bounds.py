@@ -1,0 +1,63 @@
+"""The suite's codec bounds (conformance/bounds.py) against the spec's formulas, written
+out here from AFF-8's and TQ-12's text at points worked by hand: a bound looser than the
+spec's lets a wrong port pass, a tighter one fails a right port."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvspec.conformance.bounds import affine_read_bound, turboquant_key_read_bound
+
+
+@pytest.mark.parametrize(
+    ("scale_dtype", "u", "tau"),
+    [(ml_dtypes.bfloat16, 2.0**-8, 2.0**-133), (np.float16, 2.0**-11, 2.0**-24)],
+)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_affine_bound_is_aff8s(scale_dtype, u: float, tau: float, bits: int) -> None:
+    """AFF-8: B = S (1 + 2^-13) + 2 n u S + n tau + u (M + 2 S) + tau, S = (|s_T| + tau) /
+    (1 - u), n = 2^bits - 1, M the group's largest magnitude; one B for every element of
+    the group."""
+    w = np.zeros((2, 64), np.float32)
+    w[0, :4] = [3.0, -1.0, 0.5, 2.0]  # M = 3
+    w[1, 7] = -6.0  # M = 6, the largest magnitude negative
+    scales = np.array([[0.25, -0.75]], scale_dtype).reshape(2, 1)
+    n = 2**bits - 1
+    expected = []
+    for M, s_T in ((3.0, 0.25), (6.0, 0.75)):
+        S = (s_T + tau) / (1 - u)
+        expected.append(S * (1 + 2.0**-13) + 2 * n * u * S + n * tau + u * (M + 2 * S) + tau)
+    got = affine_read_bound(w, scales, bits, 64)
+    assert got.shape == w.shape
+    np.testing.assert_allclose(got, np.repeat(np.array(expected)[:, None], 64, 1), rtol=1e-14)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("zero", [100.0, -2047.0, 2048.0, -3000.0])
+def test_the_turboquant_key_bound_is_tq12s(bits: int, zero: float) -> None:
+    """TQ-12, element by element: s_hi, s_lo, t_hi, t_lo, shrink, e_z (0 below |z16| =
+    2048, else 2^(floor(log2 |z16|) - 11)), delta and B, n = 127 at 8 bits, else
+    2^bits - 1."""
+    u, u16, tau16 = 2.0**-24, 2.0**-11, 2.0**-24
+    eps = float(np.float32(1e-8))
+    n = 127 if bits == 8 else 2**bits - 1
+    k = np.linspace(-3.0, 5.0, 32, dtype=np.float32).reshape(1, 32)
+    s16, z16 = 0.375, zero
+    scales = np.array([[s16]], np.float16)
+    zeros = np.array([[z16]], np.float16)
+    s_hi = (s16 + tau16 / 2) / (1 - u16)
+    s_lo = max(0.0, (s16 - tau16 / 2) / (1 + u16))
+    t_hi, t_lo = (s_hi + eps) * (1 + u), (s_lo + eps) * (1 - u)
+    shrink = max(abs(1 - s16 / t_lo), abs(1 - s16 / t_hi))
+    e_z = 0.0 if abs(z16) < 2048 else 2.0 ** (math.floor(math.log2(abs(z16))) - 11)
+    expected = []
+    for x in np.abs(k[0].astype(np.float64)):
+        delta = u * (2 * x / t_lo + abs(z16) + 2 * n + 2)
+        expected.append(x * shrink + s16 * (0.5 + delta + e_z) + u * (n + abs(z16) + 1) * s16)
+    got = turboquant_key_read_bound(k, scales, zeros, bits)
+    assert got.shape == k.shape
+    np.testing.assert_allclose(got[0], expected, rtol=1e-14)
