@@ -276,3 +276,33 @@ def test_the_affine_pair_kernel_takes_keys_and_values_alike_alone(
     with pytest.raises(ValueError, match="share shape and dtype"):
         affine_kernels.quantize_pair_groups(k, mx.zeros(v_shape, getattr(mx, v_dtype)), 64, 4)
     assert sum(cuda_path.values()) == 0
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows_a_block", "blocks"),
+    [
+        ((1, 8, 1, 128), 8, 1),  # a decode step of 8 heads: 1024 coordinates
+        ((1, 32, 1, 128), 32, 1),  # of 32 heads: 4096, the most one block takes
+        ((2, 8, 1, 256), 16, 1),  # 16 rows of 256: 4096
+        ((1, 8, 5, 128), 8, 5),  # 5120 coordinates: blocks of 1024
+        ((1, 2, 9, 512), 2, 9),  # rows of 512: two a block, the blocks' 1024
+        ((1, 1, 3, 64), 3, 1),
+    ],
+)
+def test_a_turboquant_encode_takes_the_blocks_its_shape_needs(
+    backend: Backend, cuda_path, shape, rows_a_block, blocks
+) -> None:
+    """TQ-14's encode: a thread per eight coordinates; up to 4096 coordinates (a decode
+    step's) in one block, whose rank needs no fold; more in blocks of at most 1024
+    coordinates and 256 threads."""
+    import mlx.core as mx
+
+    from kvspec.accelerated import turboquant, turboquant_kernels
+
+    D = shape[-1]
+    layout = turboquant.stored_layout(8, 4, D)
+    launch = turboquant_kernels.encode_launch(shape, mx.bfloat16, 8, 4, layout)
+    assert launch.options["threadgroup"] == (D // 8, rows_a_block, 1)
+    assert launch.options["grid"] == (blocks * D // 8, rows_a_block, 1)
+    assert launch.options["output_shapes"][-1] == (blocks,)
+    assert launch.folded == (blocks > 1)
