@@ -148,6 +148,12 @@ def test_an_included_file_is_named_by_its_path_and_its_contents(
         assert cuda_source.included("a.cuh") != first
         with pytest.raises(FileNotFoundError):
             cuda_source.included("missing.cuh")
+        # A path an #include line cannot name: a quote, or a newline, alone.
+        for folder in ('with"quote', "with\nnewline"):
+            (tmp_path / folder).mkdir()
+            (tmp_path / folder / "a.cuh").write_text("__device__ int one() { return 1; }\n")
+            with pytest.raises(ValueError, match="cannot be named in an #include"):
+                cuda_source.included(f"{folder}/a.cuh")
     finally:
         cuda_source.included.cache_clear()
 
