@@ -1,6 +1,6 @@
-"""The suite's codec bounds (conformance/bounds.py) against the spec's formulas, written
-out here from AFF-8's and TQ-12's text at points worked by hand: a bound looser than the
-spec's lets a wrong port pass, a tighter one fails a right port."""
+"""The suite's bounds (conformance/bounds.py) against the spec's formulas, written out here
+from the text of AFF-8, TQ-12, READ-1 and TQC-4 at points worked by hand: a bound looser
+than the spec's lets a wrong port pass, a tighter one fails a right port."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvspec.conformance.bounds import affine_read_bound, turboquant_key_read_bound
+from kvspec.conformance.bounds import (
+    affine_read_bound,
+    attention_bound,
+    deferred_attention_bound,
+    turboquant_key_read_bound,
+)
 
 
 @pytest.mark.parametrize(
@@ -61,3 +66,41 @@ def test_the_turboquant_key_bound_is_tq12s(bits: int, zero: float) -> None:
     got = turboquant_key_read_bound(k, scales, zeros, bits)
     assert got.shape == k.shape
     np.testing.assert_allclose(got[0], expected, rtol=1e-14)
+
+
+# READ-1 and TQC-4 at one worked point: two query heads over one KV head, three keys of
+# head dim 2 in bfloat16 (u = 2^-8, tau = 2^-133); the values hold the largest magnitude 6.
+QUERIES = np.array([[[[1.0, -2.0]], [[0.5, 3.0]]]], np.float32)
+KEYS = np.array([[[[1.0, 1.0], [-2.0, 0.5], [0.25, -4.0]]]], ml_dtypes.bfloat16)
+VALUES = np.array([[[[1.0, -3.0], [2.0, 0.5], [-0.5, 6.0]]]], ml_dtypes.bfloat16)
+#: Per query head, max_j sum_d |q_d k_jd|: (0.25 + 8) and (0.125 + 12), both the third key.
+LARGEST_PRODUCTS = (8.25, 12.125)
+
+
+@pytest.mark.parametrize("r", [2.0**-24, 2.0**-11])
+def test_the_attention_bound_is_read1s(r: float) -> None:
+    """READ-1: e = scale max_j sum_d |q_d k_jd| (2u + (D + 6) r), and each output within
+    max_j |v_j| (expm1(2e) + 4u + (T + 6) r) + tau."""
+    u, tau, D, T, scale = 2.0**-8, 2.0**-133, 2, 3, 0.5
+    expected = []
+    for products in LARGEST_PRODUCTS:
+        e = scale * products * (2 * u + (D + 6) * r)
+        expected.append(6.0 * (math.expm1(2 * e) + 4 * u + (T + 6) * r) + tau)
+    got = attention_bound(QUERIES, KEYS, VALUES, scale, r)
+    assert got.shape == (1, 2, 1, 1)
+    np.testing.assert_allclose(got.reshape(2), expected, rtol=1e-14)
+
+
+def test_the_deferred_bound_is_tqc4s() -> None:
+    """TQC-4: sqrt(D) b + t (2 R (1 + 2^-24) + sqrt(D) b) in each output row's l2 norm, b
+    READ-1's bound over the rotated values, R their largest row norm, t = (log2 D + 1)
+    2^-24."""
+    scale, D = 0.5, 2
+    b = attention_bound(QUERIES, KEYS, VALUES, scale).reshape(2)
+    R = math.sqrt(0.5**2 + 6.0**2)  # the third row's norm, the largest
+    t = (math.log2(D) + 1) * 2.0**-24
+    expected = [
+        math.sqrt(D) * bound + t * (2 * R * (1 + 2.0**-24) + math.sqrt(D) * bound) for bound in b
+    ]
+    got = deferred_attention_bound(QUERIES, KEYS, VALUES, scale)
+    np.testing.assert_allclose(got.reshape(2), expected, rtol=1e-14)
