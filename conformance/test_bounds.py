@@ -1,5 +1,5 @@
 """The suite's bounds (conformance/bounds.py) against the spec's formulas, written out here
-from the text of AFF-8, TQ-12, READ-1 and TQC-4 at points worked by hand: a bound looser
+from the text of AFF-8, TQ-12, READ-1, TQC-4 and READ-7 at points worked by hand: a bound looser
 than the spec's lets a wrong port pass, a tighter one fails a right port."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from kvspec.conformance.bounds import (
     affine_read_bound,
     attention_bound,
     deferred_attention_bound,
+    kernel_attention_bound,
     turboquant_key_read_bound,
 )
 
@@ -103,4 +104,30 @@ def test_the_deferred_bound_is_tqc4s() -> None:
         math.sqrt(D) * bound + t * (2 * R * (1 + 2.0**-24) + math.sqrt(D) * bound) for bound in b
     ]
     got = deferred_attention_bound(QUERIES, KEYS, VALUES, scale)
+    np.testing.assert_allclose(got.reshape(2), expected, rtol=1e-14)
+
+
+def test_the_kernel_bound_is_read7s() -> None:
+    """READ-7's kernel bound, r = 2^-11, a = 2^-23: e = scale max_j (sum_d |q_d k_jd| (2u +
+    3r + (D + 4) a) + F_j), F_j = max(2^-39 max_d |q_d|, 2^-151) sum_d |k_jd|; each output
+    within max_j |v_j| (expm1(2e) + 4u + 3r + (2T + 16) a) + tau, or with scaled weights
+    of n levels max_j |v_j| expm1(2e) + W (7u + 4r + (4T + 33) a) (1 + expm1(2e)) + tau, W
+    the larger of max_j |v_j| and the largest 3 2^bits |s| + |b| of a stored group."""
+    u, tau, r, a, D, T, scale = 2.0**-8, 2.0**-133, 2.0**-11, 2.0**-23, 2, 3, 0.5
+    q = np.abs(QUERIES.astype(np.float64)).reshape(2, 2)
+    k = np.abs(KEYS.astype(np.float64)).reshape(3, 2)
+    moved = []
+    for head in q:
+        F = max(2.0**-39 * head.max(), 2.0**-151) * k.sum(axis=1)
+        terms = (k @ head) * (2 * u + 3 * r + (D + 4) * a) + F
+        moved.append(math.expm1(2 * scale * terms.max()))
+    expected = [6.0 * (m + 4 * u + 3 * r + (2 * T + 16) * a) + tau for m in moved]
+    got = kernel_attention_bound(QUERIES, KEYS, VALUES, scale)
+    np.testing.assert_allclose(got.reshape(2), expected, rtol=1e-14)
+    # Scaled weights, 4 bits, one group of 2 a row: 3 16 |s| + |b| = 13, 50, 24.5.
+    scales = np.array([0.25, -1.0, 0.5], ml_dtypes.bfloat16).reshape(1, 1, 3, 1)
+    biases = np.array([-1.0, 2.0, 0.5], ml_dtypes.bfloat16).reshape(1, 1, 3, 1)
+    W = 50.0
+    expected = [6.0 * m + W * (7 * u + 4 * r + (4 * T + 33) * a) * (1 + m) + tau for m in moved]
+    got = kernel_attention_bound(QUERIES, KEYS, VALUES, scale, value_groups=(scales, biases, 4))
     np.testing.assert_allclose(got.reshape(2), expected, rtol=1e-14)
