@@ -43,3 +43,23 @@ def test_no_kernels_without_mlx_cuda(on_cuda, monkeypatch) -> None:
     monkeypatch.delenv(device.FUSED_KERNELS_ENV, raising=False)
     monkeypatch.setattr(device, "cuda_available", lambda: False)
     assert not device.fused_kernels_enabled()
+
+
+@pytest.mark.parametrize(
+    ("default", "cuda", "fused", "roundoff"),
+    [
+        ("cpu", True, False, 2.0**-24),  # CUDA present, the CPU the default: IEEE float32
+        ("gpu", False, False, 2.0**-24),  # a GPU that is not CUDA's
+        ("gpu", True, False, 2.0**-11),  # CUDA's attention through TF32, kernels off
+        ("cpu", False, True, 2.0**-11),  # the kernels, wherever they run (emulated)
+    ],
+)
+def test_the_attention_roundoff_is_the_devices(monkeypatch, default, cuda, fused, roundoff) -> None:
+    """READ-1's r for the MLX backend: 2^-11 where attention multiplies through TF32 (MLX's
+    CUDA default device, or the kernels), else IEEE float32's 2^-24."""
+    from kvspec.accelerated.caches import attention
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(getattr(mx, default)))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(device, "fused_kernels_enabled", lambda: fused)
+    assert attention.attention_roundoff() == roundoff
