@@ -83,9 +83,9 @@ def test_an_append_of_no_rows_to_a_deferred_cache_launches_nothing(
 
     caches = backend.module("caches")
     if kind == "turboquant":
-        cache = caches.TurboQuantKVCache(8, 4, "deferred")
+        cache = caches.TurboQuantKVCache(8, 4, checks="deferred")
     else:
-        cache = caches.QuantizedKVCache(64, 4, "deferred")
+        cache = caches.QuantizedKVCache(64, 4, checks="deferred")
     no_rows = mx.zeros((0, 2, 1, 128), mx.bfloat16)
     for offset in (1, 2):
         cache.update_and_fetch(no_rows, no_rows)
