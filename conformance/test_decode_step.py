@@ -437,6 +437,28 @@ def test_a_ring_reads_its_rows_oldest_first(backend: Backend, kind: str) -> None
             )
 
 
+def test_a_ring_filling_its_kept_rows_reads_as_growable_storage(backend: Backend) -> None:
+    """READ-7: before a ring wraps, its rows lie in temporal order (turn 0), the kept ones
+    too. A ring keeping 3 decodes its first 6 positions one by one from empty, and each
+    read, the one at offset = keep among them (every live row a kept one), equals bit for
+    bit the read of growable storage holding the same positions, on each of the kernels'
+    bodies."""
+    rng = np.random.default_rng(3)
+    caches = backend.module("caches")
+    k, v = _rows(rng, backend, 1, 2, 6), _rows(rng, backend, 1, 2, 6)
+    ring, growable = caches.RotatingKVCache(150, keep=3), caches.KVCache()
+    for offset in range(6):
+        queries = _rows(rng, backend, 1, 8, 1)
+        new = (k[:, :, offset : offset + 1], v[:, :, offset : offset + 1])
+        ring_read, growable_read = ring.append_decode(*new), growable.append_decode(*new)
+        for tensor_cores in (None, False):
+            assert_same_bits(
+                backend.to_numpy(ring_read.attend(queries, 128**-0.5, tensor_cores)),
+                backend.to_numpy(growable_read.attend(queries, 128**-0.5, tensor_cores)),
+                f"offset {offset + 1} tensor cores {tensor_cores}",
+            )
+
+
 #: Growable kinds and rings without kept positions, whose padded batches READ-7's kernels
 #: read row by row (ROWS-6).
 PADDED_ROWS_KINDS = {

@@ -111,6 +111,10 @@ def test_a_ring_reads_oldest_first(emulated: Backend, kind: str) -> None:
     decode_step.test_a_ring_reads_its_rows_oldest_first(emulated, kind)
 
 
+def test_a_ring_filling_its_kept_rows_reads_as_growable_storage(emulated: Backend) -> None:
+    decode_step.test_a_ring_filling_its_kept_rows_reads_as_growable_storage(emulated)
+
+
 @pytest.mark.parametrize("kind", decode_step.RING_KINDS)
 def test_a_compiled_ring_reads_as_the_eager_ring(emulated: Backend, kind: str) -> None:
     compiled_step.test_a_compiled_ring_reads_as_the_eager_ring(emulated, kind)
