@@ -160,12 +160,14 @@ def _relative_mse(read: np.ndarray, exact: np.ndarray) -> float:
 
 def turboquant_pairs(arrays: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """(keys, values) [B, H, L, D] to encode: a file's "keys" and "values" as one pair,
-    and any other 4-D array with a supported head_dim as both (TQ-1)."""
+    and any other 4-D array with a supported head_dim (a "keys" without "values" too) as
+    both (TQ-1)."""
     pairs = {}
-    if "keys" in arrays and "values" in arrays:
+    paired = "keys" in arrays and "values" in arrays
+    if paired:
         pairs["keys/values"] = (arrays["keys"], arrays["values"])
     for name, array in arrays.items():
-        if name in ("keys", "values"):
+        if paired and name in ("keys", "values"):
             continue
         if array.ndim == 4 and array.shape[-1] in reference_turboquant.HEAD_DIMS:
             pairs[name] = (array, array)

@@ -7,8 +7,14 @@ import json
 from pathlib import Path
 
 import compare
+import mlx.core as mx
 import numpy as np
 import pytest
+
+from kvspec.accelerated import caches as accelerated_caches
+from kvspec.accelerated.dtypes import from_numpy
+from kvspec.reference import caches as reference_caches
+from kvspec.reference.dtypes import BFLOAT16
 
 
 def test_default_workload_has_no_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,6 +67,8 @@ def test_cache_sessions_agree() -> None:
     for row in table.rows:
         assert row[3] == "68" and row[-1] == "none"
         assert float(row[5]) <= 1.0
+        if row[0] != "bf16":  # the worst step's error of a lossy read, not the least's
+            assert float(row[5]) > 0.01
     # Per position, 2 heads of D = 128: bf16 keys and values (2 * 256 each); 4-bit words
     # (64) and bf16 scales and biases per 64 (8) for each; TurboQuant k4: 64 bytes of codes
     # and 2 float16 per 32 (16), v3: 48 bytes and 1 float16 per 32 (8).
@@ -87,6 +95,48 @@ def test_a_flipped_cache_bit_is_reported_with_its_step(monkeypatch, capsys) -> N
     args = ["--bits", "8", "--group-sizes", "32", "--k-bits", "8", "--v-bits", "4"]
     assert compare.main([*args, "--dtypes", "float32", "--schemes", "affine:4:64"]) == 1
     assert "stored fields differ in: caches" in capsys.readouterr().out
+
+
+def test_a_table_renders_its_columns_right_aligned_to_their_widest_cell() -> None:
+    table = compare.Table("title", ["a", "longer header"])
+    table.add(["a value wider than its header", "1"], False)
+    table.add(["b", "22"], False)
+    title, *lines = table.render().splitlines()
+    assert title == "title"
+    assert lines == [
+        "                            a  longer header",
+        "a value wider than its header              1",
+        "                            b             22",
+    ]
+
+
+def test_a_state_of_another_dtype_alone_is_named_a_divergence() -> None:
+    """The first stored difference is named by its field's dtype and shape where either
+    differs (here the dtype alone: bfloat16 against float16 of the same bytes)."""
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((1, 2, 3, 64)).astype(np.float32) for _ in range(2))
+    expected, actual = reference_caches.KVCache(), accelerated_caches.KVCache()
+    expected.append_window(k.astype(BFLOAT16), v.astype(BFLOAT16))
+    actual.append_window(from_numpy(k.astype(np.float16)), from_numpy(v.astype(np.float16)))
+    assert compare.state_divergence(expected, actual) == (
+        "keys: bfloat16[1, 2, 3, 64] != float16[1, 2, 3, 64]"
+    )
+
+
+def test_a_safetensors_input_is_encoded_as_its_pairs(tmp_path: Path, capsys) -> None:
+    """--input takes a .safetensors file: its "keys" and "values" one TurboQuant pair; a
+    "keys" without "values" is encoded as both, as any other 4-D array is."""
+    rng = np.random.default_rng(2)
+    k, v = (mx.array(rng.standard_normal((1, 2, 8, 64)).astype(np.float32)) for _ in range(2))
+    args = ["--bits", "4", "--group-sizes", "64", "--k-bits", "8", "--v-bits", "4"]
+    args += ["--dtypes", "float32", "--schemes", "bf16", "--json"]
+    for arrays, pairs in (({"keys": k, "values": v}, ["keys/values"]), ({"keys": k}, ["keys"])):
+        path = tmp_path / "kv.safetensors"
+        mx.save_safetensors(str(path), arrays)
+        assert compare.main(["--input", str(path), *args]) == 0
+        affine, turboquant, _ = json.loads(capsys.readouterr().out)["tables"]
+        assert sorted(row["array"] for row in affine["rows"]) == sorted(arrays)
+        assert [row["pair"] for row in turboquant["rows"]] == pairs
 
 
 SMALL = ["--bits", "4", "--group-sizes", "64", "--k-bits", "8", "--v-bits", "4"]
