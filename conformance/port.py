@@ -8,7 +8,8 @@ conformance/port_protocol.py (docs/porting.md, section 2).
 It reports the first mismatch (operation, field, index, expected and actual values) and,
 for generated cases, the smallest failing request, shrunk by hypothesis. Exit status: 0
 when every check passes, 1 at a mismatch, 2 on bad usage or a broken protocol (the
-command does not start, exits, or answers out of order or not in JSON).
+command does not start, exits, gives no answer within --answer-timeout seconds, or
+answers out of order or not in JSON).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,18 +61,34 @@ class Mismatch(AssertionError):
     """The port's answer differs from what it must be: exit status 1."""
 
 
-class PortCommand:
-    """A running port command: one request line in, one response line out."""
+#: Seconds the runner waits for each answer (and for the command to exit at the end).
+ANSWER_TIMEOUT = 60.0
 
-    def __init__(self, command: str) -> None:
+
+class PortCommand:
+    """A running port command: one request line in, one response line out, within
+    `answer_timeout` seconds (a command that never answers, or never flushes its answers,
+    is a broken protocol, not a hung run)."""
+
+    def __init__(self, command: str, answer_timeout: float = ANSWER_TIMEOUT) -> None:
         self.command = command
+        self.answer_timeout = answer_timeout
         self.process = subprocess.Popen(
             command, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         self.next_id = 0
+        # Lines as the command writes them; "" once its output ends.
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_lines, daemon=True).start()
+
+    def _read_lines(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put("")
 
     def ask(self, op: str, inputs: dict[str, Any]) -> dict[str, Any]:
-        assert self.process.stdin is not None and self.process.stdout is not None
+        assert self.process.stdin is not None
         self.next_id += 1
         request = {"id": self.next_id, "op": op, "inputs": inputs}
         try:
@@ -77,7 +96,13 @@ class PortCommand:
             self.process.stdin.flush()
         except BrokenPipeError as error:
             raise ProtocolError(f"{self.command!r} stopped reading: {error}") from error
-        line = self.process.stdout.readline()
+        try:
+            line = self._lines.get(timeout=self.answer_timeout)
+        except queue.Empty:
+            raise ProtocolError(
+                f"{self.command!r} gave no answer to request {self.next_id} within "
+                f"{self.answer_timeout:g} s (does it flush its output after each line?)"
+            ) from None
         if not line:
             status = self.process.wait()
             raise ProtocolError(f"{self.command!r} exited with status {status} before answering")
@@ -90,10 +115,16 @@ class PortCommand:
         return response
 
     def close(self) -> None:
+        """Close the command's input; a command still running `answer_timeout` seconds
+        later is killed."""
         if self.process.stdin is not None:
             with contextlib.suppress(BrokenPipeError):  # the command has already gone
                 self.process.stdin.close()
-        self.process.wait()
+        try:
+            self.process.wait(timeout=self.answer_timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def _element(a: np.ndarray, index: tuple[int, ...]) -> str:
@@ -321,6 +352,14 @@ def run_checks(
             print(f"generated {op}: {examples} cases agree with the reference")
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type of --answer-timeout: a number of seconds above 0."""
+    seconds = float(text)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text}: not a number of seconds above 0")
+    return seconds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--command", required=True, help="the port's command (run by a shell)")
@@ -334,11 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--operations", nargs="+", choices=OPERATIONS, default=list(OPERATIONS))
     parser.add_argument("--examples", type=int, default=100, help="generated cases per operation")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated cases")
+    parser.add_argument(
+        "--answer-timeout",
+        type=_positive_seconds,
+        default=ANSWER_TIMEOUT,
+        help="seconds to wait for each answer (default %(default)g)",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
-    port = PortCommand(args.command)
+    port = PortCommand(args.command, args.answer_timeout)
     try:
         run_checks(port, args.files, args.operations, args.examples, args.seed)
     except Mismatch as mismatch:

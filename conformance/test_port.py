@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -59,9 +60,34 @@ def test_a_broken_command_exits_2(command: str, capsys) -> None:
     assert "protocol error" in capsys.readouterr().err
 
 
+#: Commands that never answer: one reads its whole input first, one never flushes its
+#: answers (block-buffered, as C's stdout into a pipe is), one reads nothing and does not
+#: exit when its input closes.
+SILENT = {
+    "reads-to-the-end": f"{shlex.quote(sys.executable)} -c 'import sys; sys.stdin.read()'",
+    "unflushed": f"{shlex.quote(sys.executable)} -c '"
+    "import json, sys\n"
+    'out = open(1, "w", buffering=65536, closefd=False)\n'
+    'for line in sys.stdin: print(json.dumps(dict(id=json.loads(line)["id"])), file=out)\'',
+    "deaf": "exec sleep 60",
+}
+
+
+@pytest.mark.parametrize("command", SILENT.values(), ids=SILENT.keys())
+def test_a_command_that_never_answers_exits_2_after_the_timeout(command: str, capsys) -> None:
+    started = time.monotonic()
+    args = ["--command", command, "--examples", "0", "--answer-timeout", "0.5"]
+    assert port.main(args) == 2
+    assert time.monotonic() - started < 10  # the answer's wait, then the exit's, then a kill
+    err = capsys.readouterr().err
+    assert "gave no answer to request 1 within 0.5 s" in err
+
+
 def test_bad_usage_exits_2(capsys) -> None:
     assert port.main(["--command", "true", "--operations", "nope"]) == 2
     assert port.main([]) == 2
+    for seconds in ("0", "-1", "nan", "soon"):
+        assert port.main(["--command", "true", "--answer-timeout", seconds]) == 2
 
 
 def test_arrays_round_trip_and_reject_a_wrong_byte_count() -> None:
