@@ -112,3 +112,16 @@ def test_mismatches_name_field_index_and_both_values() -> None:
         "affine.quantize: accepted input the spec rejects"
     )
     assert port.response_mismatch("affine.quantize", {"error": "no"}, None) is None
+
+
+def test_a_field_of_another_dtype_or_shape_alone_is_named_so() -> None:
+    """A field differing in dtype alone (the same bytes read as another 16-bit format) or
+    in shape alone (the same elements laid out otherwise) is reported as such, not as an
+    element that differs."""
+    expected = np.array([[1.0, 2.0, 3.0]], np.float16)
+    assert port.array_mismatch("scales", expected.view(np.int16), expected) == (
+        "field scales: expected float16 [1, 3], actual int16 [1, 3]"
+    )
+    assert port.array_mismatch("scales", expected.reshape(3, 1), expected) == (
+        "field scales: expected float16 [1, 3], actual float16 [3, 1]"
+    )
