@@ -4,6 +4,8 @@ failure to a small request, and a broken command or bad usage exits 2."""
 
 from __future__ import annotations
 
+import io
+import json
 import shlex
 import sys
 import time
@@ -11,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kvspec.conformance import port
+from kvspec.conformance import port, port_server
 from kvspec.conformance.port_protocol import decode_array, encode_array
 from kvspec.conformance.vector_mutants import FAULTS
 from kvspec.conformance.vectors import VECTORS_DIR
@@ -125,3 +127,20 @@ def test_a_field_of_another_dtype_or_shape_alone_is_named_so() -> None:
     assert port.array_mismatch("scales", expected.reshape(3, 1), expected) == (
         "field scales: expected float16 [1, 3], actual float16 [3, 1]"
     )
+
+
+def test_the_server_answers_an_operation_it_lacks_as_unsupported() -> None:
+    """The example server (port_server) answers each request in order: an operation it has
+    no handler for is `unsupported`, a ValueError of a handler an `error`."""
+
+    def refuses(inputs: dict) -> dict:
+        raise ValueError("refused")
+
+    requests = [{"id": 1, "op": "cache.run", "inputs": {}}, {"id": 2, "op": "x", "inputs": {}}]
+    responses = io.StringIO()
+    lines = io.StringIO("".join(json.dumps(r) + "\n" for r in requests))
+    port_server.serve({"x": refuses}, lines, responses)
+    assert [json.loads(line) for line in responses.getvalue().splitlines()] == [
+        {"id": 1, "unsupported": True},
+        {"id": 2, "error": "refused"},
+    ]
