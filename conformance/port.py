@@ -104,7 +104,7 @@ class PortCommand:
                 f"{self.answer_timeout:g} s (does it flush its output after each line?)"
             ) from None
         if not line:
-            status = self.process.wait()
+            status = self._exit_status()
             raise ProtocolError(f"{self.command!r} exited with status {status} before answering")
         try:
             response = json.loads(line)
@@ -115,16 +115,20 @@ class PortCommand:
         return response
 
     def close(self) -> None:
-        """Close the command's input; a command still running `answer_timeout` seconds
-        later is killed."""
+        """Close the command's input and wait for it to exit (`_exit_status`)."""
         if self.process.stdin is not None:
             with contextlib.suppress(BrokenPipeError):  # the command has already gone
                 self.process.stdin.close()
+        self._exit_status()
+
+    def _exit_status(self) -> int:
+        """The command's exit status; one still running `answer_timeout` seconds from now
+        is killed."""
         try:
-            self.process.wait(timeout=self.answer_timeout)
+            return self.process.wait(timeout=self.answer_timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait()
+            return self.process.wait()
 
 
 def _element(a: np.ndarray, index: tuple[int, ...]) -> str:

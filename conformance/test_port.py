@@ -85,6 +85,16 @@ def test_a_command_that_never_answers_exits_2_after_the_timeout(command: str, ca
     assert "gave no answer to request 1 within 0.5 s" in err
 
 
+def test_the_run_ends_when_the_command_exits_at_the_end_of_its_input() -> None:
+    """The runner closes the command's input when its checks are done and returns once the
+    command exits, not after the answer timeout."""
+    started = time.monotonic()
+    command = f"{shlex.quote(sys.executable)} -c 'import sys; sys.stdin.read()'"
+    args = ["--command", command, "--files", "--examples", "0", "--answer-timeout", "30"]
+    assert port.main(args) == 0
+    assert time.monotonic() - started < 10
+
+
 def test_bad_usage_exits_2(capsys) -> None:
     assert port.main(["--command", "true", "--operations", "nope"]) == 2
     assert port.main([]) == 2
