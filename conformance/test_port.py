@@ -154,3 +154,17 @@ def test_the_server_answers_an_operation_it_lacks_as_unsupported() -> None:
         {"id": 1, "unsupported": True},
         {"id": 2, "error": "refused"},
     ]
+
+
+def test_a_cache_outcome_differing_in_one_count_alone_is_named() -> None:
+    """cache.run: an outcome whose arrays all match but one of whose counts (offset,
+    minimum reusable offset, bytes per token) does not is a mismatch at that step, named by
+    its key."""
+    _, _, expected = next(port.golden_cases("caches"))
+    after = expected["outcomes"][0]["after"]
+    for key in ("offset", "minimumReusableOffset", "bytesPerToken"):
+        outcomes = json.loads(json.dumps(expected["outcomes"]))
+        outcomes[0]["after"][key] = after[key] + 1
+        report = port.response_mismatch("cache.run", {"outputs": {"outcomes": outcomes}}, expected)
+        assert report is not None and report.startswith(f"cache.run: step 0: {key} expected ")
+    assert port.response_mismatch("cache.run", {"outputs": expected}, expected) is None
