@@ -53,6 +53,7 @@ def test_every_encoder_stores_reference_bits(backend, case) -> None:
             assert_same_bits(backend.to_numpy(a), e, f"{encoder} {name}")
 
 
+@pytest.mark.device_detection
 def test_the_default_encoder_is_the_devices(backend, monkeypatch) -> None:
     """AFF-9's table: with no encoder named, the CPU takes `mlx_cpu` (MLX's own kernel) and
     a CUDA device `cuda`, never the slower `ops`."""

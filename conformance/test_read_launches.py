@@ -243,21 +243,24 @@ def test_the_body_a_read_takes_is_the_specs(backend: Backend) -> None:
     assert scaled > 0
 
 
-def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch) -> None:
-    """READ-7: the kernels answer reads on a CUDA device with key and value head dims of 32,
-    64, 96, 128, 160, 192, 256 and 512 and at most 8 query heads per KV head (a whole
-    number of them); nowhere else: not on another GPU (Metal), nor on the CPU of a machine
-    with CUDA."""
-    mlx_only(backend)
+def _plain_side(dim: int):
+    """A bf16 side of head dim `dim`, as READ-7's kernels take it."""
     import mlx.core as mx
 
     from kvspec.accelerated import attention_kernels as kernels
 
+    return kernels.SideFormat(kernels.PLAIN, mx.bfloat16, mx.bfloat16, 16, 32, dim)
+
+
+def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch) -> None:
+    """READ-7: the kernels answer reads on a CUDA device with key and value head dims of 32,
+    64, 96, 128, 160, 192, 256 and 512 and at most 8 query heads per KV head (a whole
+    number of them)."""
+    mlx_only(backend)
+    from kvspec.accelerated import attention_kernels as kernels
+
     spec_dims = (32, 64, 96, 128, 160, 192, 256, 512)
-
-    def side(dim: int) -> kernels.SideFormat:
-        return kernels.SideFormat(kernels.PLAIN, mx.bfloat16, mx.bfloat16, 16, 32, dim)
-
+    side = _plain_side
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     for key_dim in (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512, 1024):
         for value_dim in (32, 80, 128, 512):
@@ -270,8 +273,18 @@ def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch)
                 )
                 got = kernels.supported(side(key_dim), side(value_dim), kv_heads, query_heads)
                 assert got is expected, (key_dim, value_dim, kv_heads, query_heads)
-    monkeypatch.undo()
-    # A GPU that is not CUDA's, or the CPU of a machine with CUDA: no kernel read.
+
+
+@pytest.mark.device_detection
+def test_the_kernels_read_on_a_cuda_device_alone(backend: Backend, monkeypatch) -> None:
+    """READ-7: no kernel answers a read on a GPU that is not CUDA's (Metal), nor on the CPU
+    of a machine with CUDA."""
+    mlx_only(backend)
+    import mlx.core as mx
+
+    from kvspec.accelerated import attention_kernels as kernels
+
+    side = _plain_side
     for device, cuda in ((mx.gpu, False), (mx.cpu, True)):
         monkeypatch.setattr(kernels, "cuda_available", lambda cuda=cuda: cuda)
         monkeypatch.setattr(kernels.mx, "default_device", lambda device=device: device)

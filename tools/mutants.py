@@ -1004,7 +1004,7 @@ CATALOGUE = (
         "    return mx.default_device() == mx.gpu and cuda_available()\n",
         "    return mx.default_device() == mx.gpu or cuda_available()\n",
         "the CUDA kernels are asked to answer reads on a GPU that is not CUDA's (Metal) (READ-7)",
-        (f"{READ_LAUNCHES}::test_the_reads_the_kernels_take_are_the_specs",),
+        (f"{READ_LAUNCHES}::test_the_kernels_read_on_a_cuda_device_alone",),
     ),
     Mutant(
         "mlx-splits-past-the-most",
