@@ -260,7 +260,6 @@ def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch)
     from kvspec.accelerated import attention_kernels as kernels
 
     spec_dims = (32, 64, 96, 128, 160, 192, 256, 512)
-    side = _plain_side
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     for key_dim in (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512, 1024):
         for value_dim in (32, 80, 128, 512):
@@ -271,7 +270,9 @@ def test_the_reads_the_kernels_take_are_the_specs(backend: Backend, monkeypatch)
                     and query_heads % kv_heads == 0
                     and query_heads // kv_heads <= 8
                 )
-                got = kernels.supported(side(key_dim), side(value_dim), kv_heads, query_heads)
+                got = kernels.supported(
+                    _plain_side(key_dim), _plain_side(value_dim), kv_heads, query_heads
+                )
                 assert got is expected, (key_dim, value_dim, kv_heads, query_heads)
 
 
@@ -284,12 +285,11 @@ def test_the_kernels_read_on_a_cuda_device_alone(backend: Backend, monkeypatch) 
 
     from kvspec.accelerated import attention_kernels as kernels
 
-    side = _plain_side
     for device, cuda in ((mx.gpu, False), (mx.cpu, True)):
         monkeypatch.setattr(kernels, "cuda_available", lambda cuda=cuda: cuda)
         monkeypatch.setattr(kernels.mx, "default_device", lambda device=device: device)
         assert not kernels.on_cuda()
-        assert not kernels.supported(side(128), side(128), 8, 32)
+        assert not kernels.supported(_plain_side(128), _plain_side(128), 8, 32)
     monkeypatch.setattr(kernels, "cuda_available", lambda: True)
     monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.gpu)
     assert kernels.on_cuda()
