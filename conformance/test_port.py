@@ -127,7 +127,7 @@ def test_mismatches_name_field_index_and_both_values() -> None:
 
 
 def test_a_field_of_another_dtype_or_shape_alone_is_named_so() -> None:
-    """A field differing in dtype alone (the same bytes read as another 16-bit format) or
+    """A field differing in dtype alone (the same bytes read as 16-bit integers) or
     in shape alone (the same elements laid out otherwise) is reported as such, not as an
     element that differs."""
     expected = np.array([[1.0, 2.0, 3.0]], np.float16)

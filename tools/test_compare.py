@@ -112,7 +112,7 @@ def test_a_table_renders_its_columns_right_aligned_to_their_widest_cell() -> Non
 
 def test_a_state_of_another_dtype_alone_is_named_a_divergence() -> None:
     """The first stored difference is named by its field's dtype and shape where either
-    differs (here the dtype alone: bfloat16 against float16 of the same bytes)."""
+    differs (here the dtype alone: bfloat16 against float16 of the same shape)."""
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((1, 2, 3, 64)).astype(np.float32) for _ in range(2))
     expected, actual = reference_caches.KVCache(), accelerated_caches.KVCache()
