@@ -3,7 +3,9 @@ only: times mean nothing here)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import bench
@@ -51,6 +53,27 @@ def test_quick_run_reports_every_kind(tmp_path: Path, capsys) -> None:
         "affine quantize_deferred 4-bit g64 (k, v)",
     }
     assert "plain read bandwidth" in capsys.readouterr().out
+
+
+def test_quick_turns_take_tiny_shapes_with_the_kernels_stood_in() -> None:
+    """--quick gives the tools that take turns (host_floor.py, padded_batch.py, ...) tiny
+    shapes on the CUDA path with stand-in kernels for the time of the stack, and nothing
+    stood in without it. (A quick run at the full shapes would not fail on a CPU: it would
+    run for hours.)"""
+    from kvspec.accelerated import device
+
+    parser = argparse.ArgumentParser()
+    bench.add_turn_options(parser, bench.AB_KINDS)
+    before = device.fused_kernels_enabled()
+    with ExitStack() as stack:
+        quick = parser.parse_args(["--quick", "--contexts", "100", "--layers", "3"])
+        assert bench.turn_shapes(quick, stack) == ([64], 2, 2)
+        assert device.fused_kernels_enabled()
+    assert device.fused_kernels_enabled() == before
+    with ExitStack() as stack:
+        given = parser.parse_args(["--contexts", "100", "200", "--layers", "3", "--turns", "4"])
+        assert bench.turn_shapes(given, stack) == ([100, 200], 3, 4)
+        assert device.fused_kernels_enabled() == before
 
 
 def test_read_bandwidth_is_the_rate_of_the_bytes_twice_as_many_add(monkeypatch, capsys) -> None:
