@@ -186,6 +186,9 @@ inline float2 __half22float2(__half2 pair) {
 inline __half2 __floats2half2_rn(float a, float b) {
     return {__float2half_rn(a), __float2half_rn(b)};
 }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
 
 // bfloat16 from double precision: rounded to odd in float32 first (its last bit set where
 // anything below it was cut), which the rounding to bfloat16's 8 bits then leaves as one

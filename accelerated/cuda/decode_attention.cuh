@@ -255,8 +255,8 @@ struct LaneRow {
     // S, as CONV-3 shows the reference's float32 steps are). Below 8 bits T(c * scale) is
     // one FMA, T((M + c) scale - M scale), exact inside the FMA, wherever M scale is an S
     // value (|scale| < LIMIT: no overflow; an S value times a power of two); elsewhere, and
-    // for 8-bit codes (16 hi + lo from two nibbles, exact), c then `__hmul2_rn`, which the
-    // compiler may not fuse with the sum into one rounding as it fuses `__hmul2`.
+    // for 8-bit codes (each byte placed by a byte permute, exact), c then `__hmul2_rn`,
+    // which the compiler may not fuse with the sum into one rounding as it fuses `__hmul2`.
     template <typename Emit>
     __device__ __forceinline__ void visit_pairs(Emit emit) const {
         using S2 = typename Paired<S>::type;
@@ -277,12 +277,22 @@ struct LaneRow {
                 for (int i = 0; i < PER_WORD / 2; ++i) {
                     S2 product;
                     if constexpr (BITS == 8) {
-                        const unsigned int bits = w[word] >> (8 * i);
-                        const S2 lo = bits_as<S2>(masked_or<0x000F000Fu>(bits, magic_bits));
-                        const S2 hi =
-                            bits_as<S2>(masked_or<0x000F000Fu>(bits >> 4, magic_bits));
-                        const S2 sixteen = {S(16.0f), S(16.0f)};
-                        const S2 code = __hfma2(__hsub2(hi, magic), sixteen, __hsub2(lo, magic));
+                        // The pair's codes, bytes i and i + 2 of the word, exact in S: a
+                        // byte permute sets each under the bits of float16 1024, or of
+                        // float32 2^23 (then packed, exact) for bfloat16, whose M is 128.
+                        S2 code;
+                        if constexpr (IS_BFLOAT16<S>) {
+                            auto byte = [&](unsigned int selector) {
+                                const unsigned int bits =
+                                    __byte_perm(w[word], 0x4B000000u, selector);
+                                return __fsub_rn(__uint_as_float(bits), 8388608.0f);
+                            };
+                            code = __floats2bfloat162_rn(byte(0x7650u + i), byte(0x7652u + i));
+                        } else {
+                            const unsigned int pair =
+                                __byte_perm(w[word], 0x64646464u, 0x4240u + 0x101u * i);
+                            code = __hsub2(bits_as<S2>(pair), magic);
+                        }
                         product = __hmul2_rn(code, s2);
                     } else {
                         constexpr unsigned int MASK = ((1u << BITS) - 1u) * 0x00010001u;
