@@ -597,6 +597,44 @@ def rising_scores_draw(positions: int, rise: float):
     return draw
 
 
+def one_hot_rows_draw():
+    """Values of one 1 each, at the row's own element (rows in the order drawn), so that a
+    read's output element t is row t's softmax weight, each alone; keys standard normal and
+    queries twice that, scores of about 2 at head dim 128, so that the weights differ by
+    factors of ten. Over a few such rows a fault in the keys' decode or in the scores moves
+    a weight by more than the kernel bound, where over hundreds of rows, or over scores
+    near 0, such faults average out of the output."""
+    drawn = 0
+
+    def draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, role: str):
+        nonlocal drawn
+        if role != "values":
+            magnitude = 2.0 if role == "queries" else 1.0
+            return (magnitude * rng.standard_normal(shape)).astype(FLOAT_DTYPES[dtype])
+        rows = np.arange(drawn, drawn + shape[2])
+        drawn += shape[2]
+        x = np.zeros(shape)
+        x[:, :, np.arange(shape[2]), rows % shape[-1]] = 1.0
+        return x.astype(FLOAT_DTYPES[dtype])
+
+    return draw
+
+
+@pytest.mark.parametrize("kind", sorted(READ_KINDS))
+@pytest.mark.parametrize("groups", [1, 4])
+def test_a_read_of_a_few_one_hot_rows_is_within_bound(
+    backend: Backend, kind: str, groups: int
+) -> None:
+    """READ-7 over nine rows whose values each hold one 1 (`one_hot_rows_draw`): the output
+    shows every row's weight, so each key's decode is held, on both bodies."""
+    head_dim = 256 if kind.endswith("head256") else 128
+    dtype = "float16" if kind == "kv" or kind.endswith("float16") else "bfloat16"
+    lengths = [8, 1]
+    _assert_reads_within_bound(
+        backend, READ_KINDS[kind], head_dim, dtype, groups, lengths, "each", one_hot_rows_draw()
+    )
+
+
 @pytest.mark.parametrize("kind", ["kv", "affine-4-64", "affine-8-32", "turbo-k8v4-dense"])
 def test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound(
     backend: Backend, kind: str

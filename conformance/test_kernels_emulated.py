@@ -47,6 +47,11 @@ def test_reads_of_stored_fields_are_within_bound(emulated: Backend, kind: str, b
 
 
 @pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
+def test_reads_of_a_few_one_hot_rows_are_within_bound(emulated: Backend, kind: str) -> None:
+    decode_step.test_a_read_of_a_few_one_hot_rows_is_within_bound(emulated, kind, 4)
+
+
+@pytest.mark.parametrize("kind", sorted(decode_step.READ_KINDS))
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_steps_do_not_race(backend: Backend, kind: str, compiled: bool) -> None:
     """A window and three decode steps (eager, or compiled: pass 1's slot variant), each

@@ -1082,6 +1082,31 @@ CATALOGUE = (
         ),
     ),
     Mutant(
+        "cuda-affine-key-pairs-reversed",
+        "accelerated/cuda/decode_attention.cuh",
+        "pairs[word * (PER_PAIR_WORD / 2) + i] = bits;",
+        "pairs[word * (PER_PAIR_WORD / 2) + (PER_PAIR_WORD / 2 - 1 - i)] = bits;",
+        "affine keys' decoded pairs go to the 16-bit MMAs in reverse order within each word, "
+        "scored against other query elements (READ-7)",
+        (
+            f"{DECODE}::test_a_read_of_a_few_one_hot_rows_is_within_bound[4-affine-4-64]",
+            f"{EMULATED}::test_reads_of_a_few_one_hot_rows_are_within_bound[affine-4-64]",
+        ),
+    ),
+    Mutant(
+        "cuda-affine-8-bit-pair-wrong-byte",
+        "accelerated/cuda/decode_attention.cuh",
+        "byte(0x7652u + i)",
+        "byte(0x7651u + i)",
+        "an 8-bit affine pair of bfloat16 scales takes its high code from the byte after its "
+        "low one, not two after (AFF-6, READ-7)",
+        (
+            f"{DECODE}::test_a_read_of_a_few_one_hot_rows_is_within_bound[4-affine-8-32]",
+            f"{DECODE}::test_a_decode_read_of_one_row_returns_its_values_as_decoded[default-affine-8-32]",
+            f"{EMULATED}::test_reads_of_a_few_one_hot_rows_are_within_bound[affine-8-32]",
+        ),
+    ),
+    Mutant(
         "cuda-affine-scaled-weights-half-offset",
         "accelerated/cuda/decode_attention.cuh",
         "constexpr float OFFSET = 1 << VBITS;",
