@@ -8,10 +8,12 @@ Per kind, 32 layers' caches filled alike. One eager step (`append_decode(k, v).a
 scale)` at every layer) is recorded: each launch of a custom kernel with its arguments, and
 the stored arrays the step rewrites (a record, or keys and values). The replay calls the
 same kernels with the same arrays and writes one row into a buffer of each rewritten
-array's shape and dtype, as the step's slice writes do. Eager steps and replays take turns;
-each row gives µs per layer, median of the turns, of building the graph and of the whole
-evaluated call. The eager step's building less the replay's is kvspec's Python: what a cut
-of Python could still take off the step, the rest being MLX's own.
+array's shape and dtype, as the step's slice writes do. Eager steps, replays and bare bf16
+SDPA over as many layers (bench's baseline) take turns; each row gives µs per layer, median
+of the turns, of building the graph and of the whole evaluated call, and the step and the
+replay as ratios to bare SDPA. The eager step's building less the replay's is kvspec's
+Python: what a cut of Python could still take off the step, the rest being MLX's own; the
+replay's ratio is what the step would cost if kvspec's Python cost nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from bench import (
     picked_kinds,
     random_kv,
     samples,
+    sdpa,
     turn_shapes,
 )
 
@@ -52,6 +55,8 @@ class Row:
     replay_build_us: float
     eager_us: float
     replay_us: float
+    #: Bare bf16 SDPA over as many layers, taking the same turns.
+    bare_us: float
 
     @property
     def python_us(self) -> float:
@@ -105,7 +110,8 @@ def floor_row(
     turns: int,
     recorder: Recorder,
 ) -> Row:
-    """The eager step of `layers` caches of `name` at `context` beside its replay."""
+    """The eager step of `layers` caches of `name` at `context` beside its replay and bare
+    SDPA over `layers` buffers of the same keys and values."""
     scale = HEAD_DIM**-0.5
     q = mx.random.normal((1, QUERY_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
     k1, v1 = random_kv(1)
@@ -133,7 +139,13 @@ def floor_row(
             buffers[i][:, :, at : at + 1] = row
         return outputs + buffers
 
-    step, again = samples([eager, replay], turns)
+    bare_buffers = [(prefill_k + 0, prefill_v + 0) for _ in range(layers)]
+    mx.eval(bare_buffers)
+
+    def bare() -> list[mx.array]:
+        return [sdpa(q, k, v) for k, v in bare_buffers]
+
+    step, again, alone = samples([eager, replay, bare], turns)
     return Row(
         name,
         context,
@@ -142,20 +154,25 @@ def floor_row(
         median(again.builds) / layers * 1e6,
         median(step.times) / layers * 1e6,
         median(again.times) / layers * 1e6,
+        median(alone.times) / layers * 1e6,
     )
 
 
 def print_rows(rows: Sequence[Row]) -> None:
-    print("µs per layer, median of the turns: building the graph, and the whole evaluated call")
+    print(
+        "µs per layer, median of the turns: building the graph, and the whole evaluated call; "
+        "x bare: of bare bf16 SDPA in the same turns"
+    )
     print(
         f"{'kind':<36}{'context':>8}{'launches':>9}{'build':>8}{'replay':>8}"
-        f"{'python':>8}{'step':>8}{'replay':>8}"
+        f"{'python':>8}{'step':>8}{'replay':>8}{'bare':>8}{'step x':>8}{'replay x':>9}"
     )
     for row in rows:
         print(
             f"{row.kind:<36}{row.context:>8}{row.launches:>9.1f}{row.eager_build_us:>8.1f}"
             f"{row.replay_build_us:>8.1f}{row.python_us:>8.1f}{row.eager_us:>8.1f}"
-            f"{row.replay_us:>8.1f}"
+            f"{row.replay_us:>8.1f}{row.bare_us:>8.1f}{row.eager_us / row.bare_us:>8.2f}"
+            f"{row.replay_us / row.bare_us:>9.2f}"
         )
 
 

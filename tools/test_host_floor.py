@@ -21,7 +21,7 @@ def test_quick_run_replays_each_kinds_launches(tmp_path: Path) -> None:
     }
     for row in rows:
         assert row["context"] == 64
-        times = ("eager_build_us", "replay_build_us", "eager_us", "replay_us")
+        times = ("eager_build_us", "replay_build_us", "eager_us", "replay_us", "bare_us")
         assert min(row[time] for time in times) > 0
 
 
