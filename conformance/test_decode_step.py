@@ -635,6 +635,21 @@ def test_a_read_of_a_few_one_hot_rows_is_within_bound(
     )
 
 
+@pytest.mark.parametrize("kind", sorted(HEAD_DIM_KINDS))
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_a_read_of_a_few_one_hot_rows_at_every_head_dim_is_within_bound(
+    backend: Backend, kind: str, head_dim: int
+) -> None:
+    """The few one-hot rows' read (`one_hot_rows_draw`) at each head dim the kernels take:
+    each head dim lays a row's elements out over the lanes its own way."""
+    factory, dtype = HEAD_DIM_KINDS[kind]
+    if kind.startswith("turbo") and head_dim not in turboquant.HEAD_DIMS:
+        pytest.skip(f"TQ-1 has no sign table for head_dim {head_dim}")
+    _assert_reads_within_bound(
+        backend, factory, head_dim, dtype, 4, [8, 1], "each", one_hot_rows_draw()
+    )
+
+
 @pytest.mark.parametrize("kind", ["kv", "affine-4-64", "affine-8-32", "turbo-k8v4-dense"])
 def test_a_read_whose_maxima_rise_at_every_chunk_is_within_bound(
     backend: Backend, kind: str
